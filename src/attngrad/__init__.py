@@ -1,0 +1,16 @@
+"""attngrad: Huawei Ascend CANN's attention-family training operators, faithful to CANN, fast on CPU.
+
+Torch layer (this module), CANN two-phase layer (:mod:`attngrad.aclnn`) and torch_npu names
+(:mod:`attngrad.npu`) all run through one contract module per operator in :mod:`attngrad.ops`.
+"""
+
+from .errors import AclnnError
+from .ops.scaled_masked_softmax import scaled_masked_softmax, scaled_masked_softmax_backward
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AclnnError",
+    "scaled_masked_softmax",
+    "scaled_masked_softmax_backward",
+]

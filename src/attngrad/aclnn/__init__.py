@@ -1,0 +1,12 @@
+"""CANN's two-phase C API, in Python: ``aclnnXGetWorkspaceSize(...) -> (status, ws, executor)`` then
+``aclnnX(workspace, ws, executor, stream) -> status``. Bad input returns a status (never raises);
+``aclGetRecentErrMsg()`` gives the message. See API.md section 5.
+"""
+
+from ..errors import (ACLNN_ERR_INNER, ACLNN_ERR_INNER_NULLPTR, ACLNN_ERR_INNER_TILING_ERROR,
+                      ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, ACLNN_ERR_RUNTIME_ERROR, ACLNN_SUCCESS)
+from .executor import AclOpExecutor
+from .runtime import *  # noqa: F401,F403 - the AscendCL names, as in C
+from .scaled_masked_softmax import (aclnnScaledMaskedSoftmax, aclnnScaledMaskedSoftmaxBackward,
+                                    aclnnScaledMaskedSoftmaxBackwardGetWorkspaceSize,
+                                    aclnnScaledMaskedSoftmaxGetWorkspaceSize)

@@ -1,0 +1,37 @@
+"""aclnnScaledMaskedSoftmax and aclnnScaledMaskedSoftmaxBackward: thin two-phase wrappers.
+
+All checks live in :mod:`attngrad.ops.scaled_masked_softmax`; this layer only adds the aclnn-only
+rules (ND format, CANN's S2 and fixTriuMask limits via ``cann_limits=True``).
+"""
+
+from __future__ import annotations
+
+from ..ops import scaled_masked_softmax as contract
+from .executor import as_torch, check_format_nd, two_phase, write_output
+
+
+def _prepare_forward(x, mask, scale, fixed_triu_mask, y):
+    op = contract.FORWARD
+    tx, tmask, ty = as_torch(op, "x", x), as_torch(op, "mask", mask), as_torch(op, "y", y)
+    tx, tmask, scale = contract.check_forward(tx, tmask, scale, fixed_triu_mask, ty, cann_limits=True)
+    if ty is None:
+        contract.require_tensor(op, "y", ty)
+    for name, t in (("x", x), ("mask", mask), ("y", y)):
+        check_format_nd(op, name, t)
+    return lambda: write_output(ty, contract.forward_kernel(tx, tmask, scale))
+
+
+def _prepare_backward(grad_output, y, mask, scale, fix_triu_mask, out):
+    op = contract.BACKWARD
+    go, ty, tm, to = (as_torch(op, n, t) for n, t in
+                      (("gradOutput", grad_output), ("y", y), ("mask", mask), ("out", out)))
+    go, ty, tm, scale = contract.check_backward(go, ty, tm, scale, fix_triu_mask, to, cann_limits=True)
+    for name, t in (("gradOutput", grad_output), ("y", y), ("mask", mask), ("out", out)):
+        check_format_nd(op, name, t)
+    return lambda: write_output(to, contract.backward_kernel(go, ty, tm, scale))
+
+
+aclnnScaledMaskedSoftmaxGetWorkspaceSize, aclnnScaledMaskedSoftmax = two_phase(
+    "aclnnScaledMaskedSoftmax", _prepare_forward)
+aclnnScaledMaskedSoftmaxBackwardGetWorkspaceSize, aclnnScaledMaskedSoftmaxBackward = two_phase(
+    "aclnnScaledMaskedSoftmaxBackward", _prepare_backward)

@@ -1,0 +1,1 @@
+"""Operator contracts: validation, dispatch to a kernel, autograd. One module per operator."""

@@ -1,0 +1,162 @@
+"""Contract of ScaledMaskedSoftmax and ScaledMaskedSoftmaxBackward (seed documents 000-002).
+
+Forward:  ``y = softmax(where(mask, -10000, x * scale))`` over the last axis (fp16: scaled in fp16).
+Backward: ``out = where(mask, 0, (dy - sum(dy * y)) * y * scale)``, the sum over the whole row.
+
+Shapes: x / grad_output / y ``[B, N, S1, S2]``; mask bool ``[B|1, N|1, S1, S2]`` (True = masked).
+Dtypes: float32, float16, bfloat16; outputs take the input dtype (round half to even).
+
+``cann_limits=True`` (the aclnn layer) adds CANN's own limits: ``1 <= S2 <= 4096`` and
+``fix_triu_mask`` false. The torch layer accepts any S2 (0 gives an empty result) and
+``fix_triu_mask=True``, which replaces the mask by the strictly upper triangular one (j > i), as
+torch_npu's ``npu_scaled_masked_softmax`` does (the given mask may then be None).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..errors import ACLNN_ERR_PARAM_NULLPTR
+from ..kernels import scaled_masked_softmax as kernels
+from ..kernels.tensor_view import kernel_view
+from ..validation import (FLOAT_DTYPES, check_dim_broadcast, check_dim_equal, check_dtype, check_float,
+                          check_range, check_rank, check_same_dtype, check_shape, invalid, require_tensor)
+
+FORWARD = "ScaledMaskedSoftmax"
+BACKWARD = "ScaledMaskedSoftmaxBackward"
+CANN_MAX_LAST_DIM = 4096
+
+
+def triu_mask(s1: int, s2: int) -> torch.Tensor:
+    """The mask ``fix_triu_mask`` stands for: True strictly above the diagonal, shape [1, 1, S1, S2]."""
+    return torch.ones(s1, s2, dtype=torch.bool).triu(1).view(1, 1, s1, s2)
+
+
+def _check_mask(op: str, mask: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    check_dtype(op, "mask", mask, (torch.bool,))
+    check_rank(op, "mask", mask, (4,))
+    check_dim_broadcast(op, "mask", mask, 0, ref.shape[0], ref_name)
+    check_dim_broadcast(op, "mask", mask, 1, ref.shape[1], ref_name)
+    check_dim_equal(op, "mask", mask, 2, ref.shape[2], ref_name)
+    check_dim_equal(op, "mask", mask, 3, ref.shape[3], ref_name)
+
+
+def _check_attrs(op: str, data: torch.Tensor, scale, fix_triu_mask, cann_limits: bool) -> float:
+    scale = check_float(op, "scale", scale)
+    if not isinstance(fix_triu_mask, bool):
+        raise invalid(op, "fixTriuMask", "must be a bool", repr(fix_triu_mask))
+    if cann_limits:
+        check_range(op, "last dim (S2)", data.shape[3], 1, CANN_MAX_LAST_DIM)
+        if fix_triu_mask:
+            raise invalid(op, "fixTriuMask", "only false is supported by CANN", True)
+    return scale
+
+
+def _resolve_mask(op: str, mask, data_name: str, data: torch.Tensor, fix_triu_mask: bool) -> torch.Tensor:
+    if mask is None and fix_triu_mask:
+        return triu_mask(data.shape[2], data.shape[3])
+    mask = require_tensor(op, "mask", mask)
+    _check_mask(op, mask, data_name, data)
+    return triu_mask(data.shape[2], data.shape[3]) if fix_triu_mask else mask
+
+
+def check_forward(x, mask, scale=1.0, fix_triu_mask=False, y=None, *, cann_limits=False):
+    """Validate in CANN's order; returns ``(x, mask, scale)`` ready for the kernel.
+
+    A null x or mask is 161001 (seed documents; CANN's code says 561103). ``y`` is the aclnn output.
+    """
+    op = FORWARD
+    x = require_tensor(op, "x", x)
+    if not fix_triu_mask or cann_limits:
+        require_tensor(op, "mask", mask)
+    if y is not None:
+        require_tensor(op, "y", y)
+    check_dtype(op, "x", x, FLOAT_DTYPES)
+    check_rank(op, "x", x, (4,))
+    if y is not None:
+        check_same_dtype(op, "y", y, "x", x)
+        check_shape(op, "y", y, x.shape, "must equal x's shape")
+    scale = _check_attrs(op, x, scale, fix_triu_mask, cann_limits)
+    mask = _resolve_mask(op, mask, "x", x, fix_triu_mask)
+    return x, mask, scale
+
+
+def check_backward(grad_output, y, mask, scale=1.0, fix_triu_mask=False, out=None, *, cann_limits=False):
+    """Validate in CANN's order (seed 001 wins: gradOutput, y and out dtypes must match -> 161002)."""
+    op = BACKWARD
+    grad_output = require_tensor(op, "gradOutput", grad_output)
+    y = require_tensor(op, "y", y)
+    if not fix_triu_mask or cann_limits:
+        require_tensor(op, "mask", mask, ACLNN_ERR_PARAM_NULLPTR)
+    if cann_limits:
+        require_tensor(op, "out", out)
+    check_dtype(op, "gradOutput", grad_output, FLOAT_DTYPES)
+    check_same_dtype(op, "y", y, "gradOutput", grad_output)
+    if out is not None:
+        check_same_dtype(op, "out", out, "gradOutput", grad_output)
+    check_rank(op, "gradOutput", grad_output, (4,))
+    check_shape(op, "y", y, grad_output.shape, "must equal gradOutput's shape")
+    if out is not None:
+        check_shape(op, "out", out, grad_output.shape, "must equal gradOutput's shape")
+    scale = _check_attrs(op, grad_output, scale, fix_triu_mask, cann_limits)
+    mask = _resolve_mask(op, mask, "gradOutput", grad_output, fix_triu_mask)
+    return grad_output, y, mask, scale
+
+
+def _kernel_mask(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.stride(-1) == 1 else mask.contiguous()
+
+
+def forward_kernel(x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Run the fused forward kernel on validated input."""
+    y = torch.empty(x.shape, dtype=x.dtype)
+    if y.numel() == 0:
+        return y
+    half = x.dtype == torch.float16
+    kscale = np.float32(torch.tensor(scale, dtype=torch.float16 if half else torch.float32).item())
+    kernels.scaled_masked_softmax_forward(kernel_view(x), kernel_view(_kernel_mask(mask)), kscale, half,
+                                          kernel_view(y))
+    return y
+
+
+def backward_kernel(grad_output, y, mask, scale: float) -> torch.Tensor:
+    """Run the fused backward kernel on validated input."""
+    out = torch.empty(grad_output.shape, dtype=grad_output.dtype)
+    if out.numel() == 0:
+        return out
+    kernels.scaled_masked_softmax_backward(kernel_view(grad_output), kernel_view(y),
+                                           kernel_view(_kernel_mask(mask)), np.float32(scale), kernel_view(out))
+    return out
+
+
+class _ScaledMaskedSoftmaxFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, mask, scale):
+        y = forward_kernel(x, mask, scale)
+        ctx.save_for_backward(y, mask)
+        ctx.scale = scale
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        y, mask = ctx.saved_tensors
+        grad_y = grad_y if grad_y.dtype == y.dtype else grad_y.to(y.dtype)
+        return backward_kernel(grad_y, y, mask, ctx.scale), None, None
+
+
+def scaled_masked_softmax(x, mask, scale=1.0, fix_triu_mask=False):
+    """CANN ScaledMaskedSoftmax. x ``[B,N,S1,S2]`` float, mask bool ``[B|1,N|1,S1,S2]`` -> y like x.
+
+    Differentiable w.r.t. x; the backward is :func:`scaled_masked_softmax_backward`'s kernel.
+    """
+    x, mask, scale = check_forward(x, mask, scale, fix_triu_mask)
+    if x.requires_grad and torch.is_grad_enabled():
+        return _ScaledMaskedSoftmaxFunction.apply(x, mask, scale)
+    return forward_kernel(x, mask, scale)
+
+
+def scaled_masked_softmax_backward(grad_output, y, mask, scale=1.0, fix_triu_mask=False):
+    """CANN ScaledMaskedSoftmaxBackward: gradient of x given dy (``grad_output``) and the forward y."""
+    grad_output, y, mask, scale = check_backward(grad_output, y, mask, scale, fix_triu_mask)
+    return backward_kernel(grad_output, y, mask, scale)

@@ -1,0 +1,76 @@
+"""How attngrad judges results against a float64 golden (API.md section 7).
+
+The golden is computed in float64 from the same inputs (already rounded to their own dtype).
+``compare`` returns the figures and a verdict:
+
+* norm-relative error ``||out - golden|| / ||golden||`` within ``NORM_REL_TOL[dtype]``;
+* for the softmax and segsum operators also CANN's single-benchmark mean
+  ``MERE = mean(|out - golden| / (|golden| + 1e-7)) < MERE_TOL[dtype]``; its max rule
+  ``MARE < 10 * T`` is reported but not enforced (it flags cancellation-sized outputs);
+* special values: wherever the golden is nan, +inf or -inf the output must be the same, and
+  positions the caller lists as ``exact_zero`` must be exactly 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+NORM_REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
+MERE_TOL = {torch.float32: 2.0**-13, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+
+@dataclass
+class PrecisionReport:
+    dtype: torch.dtype
+    norm_rel: float
+    mere: float
+    mare: float
+    special_ok: bool
+    use_mere: bool
+
+    @property
+    def passed(self) -> bool:
+        ok = self.special_ok and self.norm_rel <= NORM_REL_TOL[self.dtype]
+        if self.use_mere:
+            ok = ok and self.mere < MERE_TOL[self.dtype]
+        return ok
+
+    def __str__(self) -> str:
+        verdict = "pass" if self.passed else "FAIL"
+        return (f"{verdict}: norm_rel={self.norm_rel:.3e} (tol {NORM_REL_TOL[self.dtype]:.1e}) "
+                f"MERE={self.mere:.3e} MARE={self.mare:.3e} special_ok={self.special_ok}")
+
+
+def compare(out: torch.Tensor, golden: torch.Tensor, dtype: torch.dtype | None = None, *,
+            use_mere: bool = False, exact_zero: torch.Tensor | None = None) -> PrecisionReport:
+    """Compare ``out`` against the float64 ``golden``; ``dtype`` selects the thresholds (default out's)."""
+    dtype = dtype or out.dtype
+    o = out.detach().to(torch.float64)
+    g = golden.detach().to(torch.float64)
+    if o.shape != g.shape:
+        raise ValueError(f"shape mismatch: out {list(o.shape)} vs golden {list(g.shape)}")
+    finite = torch.isfinite(g)
+    special_ok = bool(torch.equal(torch.isnan(o), torch.isnan(g)))
+    special_ok &= bool(torch.equal(o[torch.isinf(g)], g[torch.isinf(g)]))
+    if exact_zero is not None:
+        special_ok &= bool((o[exact_zero.expand_as(o)] == 0).all())
+    diff = (o - g)[finite]
+    gf = g[finite]
+    norm_g = float(torch.linalg.vector_norm(gf)) if gf.numel() else 0.0
+    norm_d = float(torch.linalg.vector_norm(diff)) if diff.numel() else 0.0
+    norm_rel = norm_d / norm_g if norm_g > 0 else norm_d
+    rel = diff.abs() / (gf.abs() + 1e-7)
+    mere = float(rel.mean()) if rel.numel() else 0.0
+    mare = float(rel.max()) if rel.numel() else 0.0
+    if norm_rel != norm_rel:  # nan where the golden is finite
+        special_ok = False
+    return PrecisionReport(dtype, norm_rel, mere, mare, special_ok, use_mere)
+
+
+def assert_close(out: torch.Tensor, golden: torch.Tensor, dtype: torch.dtype | None = None, **kw) -> PrecisionReport:
+    """``compare`` and raise ``AssertionError`` with the figures when the verdict is fail."""
+    report = compare(out, golden, dtype, **kw)
+    assert report.passed, str(report)
+    return report
