@@ -5,6 +5,7 @@ Torch layer (this module), CANN two-phase layer (:mod:`attngrad.aclnn`) and torc
 """
 
 from .errors import AclnnError
+from . import npu  # noqa: F401 - torch_npu names
 from .ops.scaled_masked_softmax import scaled_masked_softmax, scaled_masked_softmax_backward
 
 __version__ = "0.1.0"

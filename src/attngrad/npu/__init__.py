@@ -1,0 +1,7 @@
+"""torch_npu-compatible names: ``import attngrad.npu as torch_npu``-style aliasing runs torch_npu code.
+
+Argument names, defaults and return tuples follow torch_npu (including the ``pre_tockens`` spelling).
+Every function is a thin layer over the operator contracts in :mod:`attngrad.ops`.
+"""
+
+from .softmax import npu_scaled_masked_softmax, npu_scaled_masked_softmax_backward
