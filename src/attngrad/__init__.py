@@ -6,12 +6,15 @@ Torch layer (this module), CANN two-phase layer (:mod:`attngrad.aclnn`) and torc
 
 from .errors import AclnnError
 from . import npu  # noqa: F401 - torch_npu names
+from .ops.flash_attention import flash_attention_score, flash_attention_score_grad
 from .ops.scaled_masked_softmax import scaled_masked_softmax, scaled_masked_softmax_backward
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AclnnError",
+    "flash_attention_score",
+    "flash_attention_score_grad",
     "scaled_masked_softmax",
     "scaled_masked_softmax_backward",
 ]

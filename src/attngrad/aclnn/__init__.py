@@ -6,6 +6,10 @@
 from ..errors import (ACLNN_ERR_INNER, ACLNN_ERR_INNER_NULLPTR, ACLNN_ERR_INNER_TILING_ERROR,
                       ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, ACLNN_ERR_RUNTIME_ERROR, ACLNN_SUCCESS)
 from .executor import AclOpExecutor
+from .flash_attention import (aclnnFlashAttentionScore, aclnnFlashAttentionScoreGetWorkspaceSize,
+                              aclnnFlashAttentionScoreGrad, aclnnFlashAttentionScoreGradGetWorkspaceSize,
+                              aclnnFlashAttentionScoreGradV2, aclnnFlashAttentionScoreGradV2GetWorkspaceSize,
+                              aclnnFlashAttentionScoreV2, aclnnFlashAttentionScoreV2GetWorkspaceSize)
 from .runtime import *  # noqa: F401,F403 - the AscendCL names, as in C
 from .scaled_masked_softmax import (aclnnScaledMaskedSoftmax, aclnnScaledMaskedSoftmaxBackward,
                                     aclnnScaledMaskedSoftmaxBackwardGetWorkspaceSize,

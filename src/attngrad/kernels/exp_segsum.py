@@ -1,0 +1,105 @@
+"""Fused CPU kernels for ExpSegsum (CANN op ``Segsum``) and its backward (``ExpSegsumGrad``).
+
+Both kernels take kernel views (see :mod:`.tensor_view`) with any strides and work on ``problems``:
+the product of all dims but the segment axes, flattened to three dims (``[A, B, C, T]`` for the forward
+input, ``[A, B, C, T, T]`` for the backward inputs; the contract inserts a leading 1 for the smaller rank).
+
+Forward: for each problem a length-T fp32 vector ``acc`` holds the running column sums
+``acc[j] = x[j+1] + ... + x[i]`` (accumulated down each column, as CANN's kernel does; never a difference
+of cumulative sums); row ``i`` is ``exp(acc[j])`` for ``j < i``, exactly 1 on the diagonal, exactly 0 above.
+
+Backward: rows are swept from ``T-1`` down to 0 keeping a length-T fp32 running column sum of
+``grad_output * grad_self`` over the strict lower triangle; after row ``i`` is added,
+``grad[i] = sum_{j < i} colsum[j]``. Only the strict lower triangle is read, once.
+
+Work splitting (``splits`` > 1, chosen by the caller when there are few problems): the forward splits
+the rows of a problem into chunks, each chunk first replaying the column sums of the rows above it in
+the same order (so the bits do not depend on the split); the backward splits the columns into chunks of
+equal triangle area and adds the chunks' partial sums in a fixed order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .numeric import FASTMATH, exp32, narrow, widen
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def exp_segsum_forward(x, splits, out):
+    """x ``[A, B, C, T]`` -> out ``[A, B, C, T, T]`` (any strides), fp32 sums and exp."""
+    A, B, C, T = x.shape
+    problems = A * B * C
+    rows_per_task = (T + splits - 1) // splits
+    zero = narrow(np.float32(0.0), out)
+    for task in prange(problems * splits):
+        p = task // splits
+        first = (task % splits) * rows_per_task
+        last = min(T, first + rows_per_task)
+        a, b, c = p // (B * C), (p // C) % B, p % C
+        xs = x[a, b, c]
+        acc = np.zeros(T, dtype=np.float32)
+        for i in range(1, first):  # replay the column sums of the rows above this chunk
+            xi = widen(xs[i])
+            for j in range(i):
+                acc[j] += xi
+        for i in range(first, last):
+            xi = widen(xs[i])
+            row = out[a, b, c, i]
+            for j in range(i):
+                acc[j] += xi
+                row[j] = narrow(exp32(acc[j]), out)
+            row[i] = narrow(np.float32(1.0), out)
+            for j in range(i + 1, T):
+                row[j] = zero
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def column_bounds(t, splits):
+    """Column chunk bounds ``[0, ..., t]`` splitting the strict lower triangle into equal areas."""
+    bounds = np.empty(splits + 1, dtype=np.int64)
+    bounds[0] = 0
+    total = t * (t - 1) // 2
+    area = 0
+    s = 1
+    for j in range(t):
+        while s < splits and area >= (total * s + splits - 1) // splits:
+            bounds[s] = j
+            s += 1
+        area += t - 1 - j
+    while s <= splits:
+        bounds[s] = t
+        s += 1
+    return bounds
+
+
+@njit(parallel=True, fastmath=FASTMATH, cache=True)
+def exp_segsum_backward(grad_output, grad_self, splits, grad_input):
+    """grad_output, grad_self ``[A, B, C, T, T]`` -> grad_input ``[A, B, C, T]`` (any strides)."""
+    A, B, C, T, _ = grad_output.shape
+    problems = A * B * C
+    bounds = column_bounds(T, splits)
+    partial = np.empty((splits, problems, T), dtype=np.float32)
+    for task in prange(problems * splits):
+        p = task // splits
+        s = task % splits
+        j0, j1 = bounds[s], bounds[s + 1]
+        a, b, c = p // (B * C), (p // C) % B, p % C
+        go = grad_output[a, b, c]
+        gs = grad_self[a, b, c]
+        colsum = np.zeros(T, dtype=np.float32)
+        part = partial[s, p]
+        for i in range(T - 1, -1, -1):
+            total = np.float32(0.0)
+            for j in range(j0, min(j1, i)):
+                colsum[j] += widen(go[i, j]) * widen(gs[i, j])
+                total += colsum[j]
+            part[i] = total
+    for p in prange(problems):
+        a, b, c = p // (B * C), (p // C) % B, p % C
+        for i in range(T):
+            total = partial[0, p, i]
+            for s in range(1, splits):
+                total += partial[s, p, i]
+            grad_input[a, b, c, i] = narrow(total, grad_input)

@@ -1,0 +1,508 @@
+"""Contract of FlashAttentionScore (forward) and FlashAttentionScoreGrad (seed 004, spec sections 0-6, 11).
+
+Forward:  ``out = Dropout(Softmax(Mask(S)), keep_prob) @ V`` with ``S = (Q K^T + pse) * scale`` (pseType 1)
+or ``S = Q K^T * scale + pse`` (pseType 0/2/3); softmax_max / softmax_sum are float32 ``[B, N1, Sq, 8]``
+(8 equal copies of the row max and of the row sum of ``exp(S - max)``).
+Backward: CANN's FAG math (spec section 0) with the GIVEN softmax_max, softmax_sum and attention_in.
+
+Layouts ``BSH`` ``[B,S,N*D]``, ``SBH`` ``[S,B,N*D]``, ``BSND``, ``BNSD`` are viewed as BNSD (no copy) for the
+kernels; results are returned in the input layout. BSH/SBH: ``D = H1 / headNum``, ``N2 = H2 / D``,
+``Dv = Hv / N2``. GQA/MQA: query head n uses kv head ``n // (N1 / N2)``; ``Dv <= D``; dtypes float32,
+float16, bfloat16 (outputs in the input dtype).
+
+Validation follows CANN's order (spec 11.2 then the tiling checks of 11.3). ``cann_limits=True`` (the aclnn
+layer) adds what only CANN imposes: softmax_max, softmax_sum and attention_in are required by the grad (the
+torch layer recomputes them when all three are None), outputs are required and all-empty outputs succeed
+without computing, N1 <= 256 and D <= 512 (seed 004).
+
+CANN rules applied as CANN applies them (documented, not silent): without atten_mask, sparse_mode and the
+tokens have no effect (full attention); drop_mask is ignored when keep_prob == 1; padding_mask and
+softmax_in are reserved and unused; prefix is only read by sparse modes 5/6 (which need a mask);
+q_start_idx / kv_start_idx only by pseType 2/3 (which need pse); actual_seq_qlen/kvlen only by TND.
+
+Features the kernels do not implement yet (atten_mask, pse, dropout with keep_prob < 1, TND) are validated
+as far as possible and then rejected with 161002 "... is not supported yet"; :func:`resolve_plan` is the one
+place that turns masks, sparse modes, tokens, pse and dropout into the kernels' ``AttentionPlan``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import ACLNN_ERR_PARAM_NULLPTR, AclnnError
+from ..kernels import flash_attention as kernels
+from ..kernels.flash_attention_plan import UNBOUNDED_TOKENS, AttentionPlan
+from ..kernels.flash_attention_reference import flash_attention_forward_reference
+from ..validation import (FLOAT_DTYPES, MASK_DTYPES, check_choice, check_dim_equal, check_dtype, check_float,
+                          check_int, check_range, check_rank, check_same_dtype, check_shape, invalid,
+                          require_tensor)
+
+FORWARD = "FlashAttentionScore"
+BACKWARD = "FlashAttentionScoreGrad"
+LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
+SEQ_DIM = {"BNSD": 2, "BSND": 1, "BSH": 1, "SBH": 0}   # the S axis of each non-TND layout
+BATCH_DIM = {"BNSD": 0, "BSND": 0, "BSH": 0, "SBH": 1}
+STATS_COPIES = 8
+CANN_MAX_HEADS = 256
+CANN_MAX_HEAD_DIM = 512
+COMPRESSED_MASK = {2: (2048, 2048), 3: (2048, 2048), 4: (2048, 2048), 6: (3072, 2048)}
+
+# Plan features the kernels implement; the issues that add masks, pse and dropout extend this set.
+KERNEL_FEATURES: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Sizes of one problem: B batch, N1/N2 query/kv heads, Sq/Skv lengths, D (q/k) and Dv (v) head dims."""
+
+    layout: str
+    b: int
+    n1: int
+    n2: int
+    sq: int
+    skv: int
+    d: int
+    dv: int
+
+    @property
+    def stats_shape(self) -> tuple[int, int, int, int]:
+        return (self.b, self.n1, self.sq, STATS_COPIES)
+
+
+@dataclass
+class Problem:
+    """Validated input: BNSD views of the tensors, the geometry and the plan the kernels run."""
+
+    geo: Geometry
+    plan: AttentionPlan
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dy: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+    softmax_max: torch.Tensor | None = None   # [B, N1, Sq] float32 (element 0 of the 8 copies)
+    softmax_sum: torch.Tensor | None = None
+
+
+# --------------------------------------------------------------------------------------------- layouts
+def to_bnsd(t: torch.Tensor, layout: str, heads: int) -> torch.Tensor:
+    """A zero-copy BNSD view of ``t`` given in ``layout`` (``heads`` splits H of BSH/SBH)."""
+    if layout == "BNSD":
+        return t
+    if layout == "BSND":
+        return t.permute(0, 2, 1, 3)
+    split = t.unflatten(2, (heads, t.shape[2] // heads))
+    return split.permute(0, 2, 1, 3) if layout == "BSH" else split.permute(1, 2, 0, 3)
+
+
+def from_bnsd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A BNSD result as a contiguous tensor in ``layout``."""
+    if layout == "BNSD":
+        return t.contiguous()
+    if layout == "BSND":
+        return t.permute(0, 2, 1, 3).contiguous()
+    order = (0, 2, 1, 3) if layout == "BSH" else (2, 0, 1, 3)
+    return t.permute(order).contiguous().flatten(2)
+
+
+def _layout_shape(geo: Geometry, heads: int, seq: int, dim: int) -> tuple[int, ...]:
+    """The shape of a [B, heads, seq, dim] tensor in the problem's layout."""
+    return {"BNSD": (geo.b, heads, seq, dim), "BSND": (geo.b, seq, heads, dim),
+            "BSH": (geo.b, seq, heads * dim), "SBH": (seq, geo.b, heads * dim)}[geo.layout]
+
+
+# ---------------------------------------------------------------------------------------- attributes
+def _check_layout(op: str, input_layout, softmax_layout) -> str:
+    if input_layout is None:
+        raise AclnnError(ACLNN_ERR_PARAM_NULLPTR, f"{op}: inputLayout must not be null (None)", "inputLayout")
+    if not isinstance(input_layout, str):
+        raise invalid(op, "inputLayout", "must be a string", repr(input_layout))
+    check_choice(op, "inputLayout", input_layout, LAYOUTS)
+    if input_layout == "TND":
+        raise invalid(op, "inputLayout", "TND (varlen) layout is not supported yet", "'TND'")
+    if softmax_layout not in ("", None):
+        raise invalid(op, "softmaxLayout", "must be '' for a non-TND inputLayout", repr(softmax_layout))
+    return input_layout
+
+
+def _check_head_num(op: str, head_num) -> int:
+    head_num = check_int(op, "headNum", head_num)
+    check_range(op, "headNum", head_num, 1)
+    return head_num
+
+
+def _int_list(op: str, name: str, values) -> list[int] | None:
+    """prefix / start indices / seq lengths: a list (or 1-D integer tensor) of ints."""
+    if values is None:
+        return None
+    if isinstance(values, torch.Tensor):
+        if values.dim() > 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
+            raise invalid(op, name, "must be a 1-D integer list", f"{values.dim()}-D {values.dtype}")
+        values = values.tolist()
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise invalid(op, name, "must be a list of integers", repr(values))
+    return [check_int(op, name, v) for v in values]
+
+
+# ---------------------------------------------------------------------------------------- geometry
+def _check_ranks(op: str, layout: str, named: list[tuple[str, torch.Tensor]]) -> None:
+    rank = 3 if layout in ("BSH", "SBH") else 4
+    for name, t in named:
+        check_rank(op, name, t, (rank,))
+
+
+def _check_same_but_last(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    for dim in range(ref.dim() - 1):
+        check_dim_equal(op, name, t, dim, ref.shape[dim], ref_name)
+
+
+def _geometry(op: str, layout: str, head_num: int, query, key, value) -> Geometry:
+    """Sizes from the layout (spec section 2); checks D, N and the head-dim rules (11.2 step 7, 11.3)."""
+    s_dim = SEQ_DIM[layout]
+    b, sq, skv = query.shape[BATCH_DIM[layout]], query.shape[s_dim], key.shape[s_dim]
+    if layout in ("BSH", "SBH"):
+        h1, h2, hv = query.shape[2], key.shape[2], value.shape[2]
+        if h1 % head_num:
+            raise invalid(op, "query", f"hidden size H1 must be a multiple of headNum {head_num}", h1)
+        d = h1 // head_num
+        if d == 0:
+            raise invalid(op, "query", "head dim D = H1 / headNum must be > 0 to derive N2", d)
+        if h2 % d or h2 == 0:
+            raise invalid(op, "key", f"hidden size H2 must be a positive multiple of D = {d}", h2)
+        n1, n2, dk = head_num, h2 // d, d
+        if hv % n2:
+            raise invalid(op, "value", f"hidden size Hv must be a multiple of N2 = {n2}", hv)
+        dv = hv // n2
+    else:
+        n_dim = 3 - s_dim
+        n1, n2 = query.shape[n_dim], key.shape[n_dim]
+        d, dk, dv = query.shape[3], key.shape[3], value.shape[3]
+    if d != dk:
+        raise invalid(op, "key", f"D axis must equal query's D axis {d}", dk)
+    if dv > d:
+        raise invalid(op, "value", f"D axis must be <= query's D axis {d}", dv)
+    if n1 != head_num:
+        raise invalid(op, "headNum", f"must equal query's N axis {n1}", head_num)
+    if n2 == 0 or n1 % n2:
+        raise invalid(op, "key", f"N axis N2 must be > 0 and divide query's N1 = {n1} (GQA)", n2)
+    return Geometry(layout, b, n1, n2, sq, skv, d, dv)
+
+
+def _check_cann_sizes(op: str, geo: Geometry) -> None:
+    """Seed 004's documented ranges: N 1~256, D 1~512 (A2/A3)."""
+    check_range(op, "headNum", geo.n1, 1, CANN_MAX_HEADS)
+    check_range(op, "query D axis", geo.d, 1, CANN_MAX_HEAD_DIM)
+
+
+def _check_inputs(op: str, layout: str, head_num: int, query, key, value, dy=None, attention_in=None,
+                  cann_limits: bool = False) -> Geometry:
+    """dtype, rank, shape agreement and geometry checks shared by both operators (CANN order)."""
+    check_dtype(op, "query", query, FLOAT_DTYPES)
+    for name, t in (("key", key), ("value", value), ("dy", dy)):
+        if t is not None:
+            check_same_dtype(op, name, t, "query", query)
+    named = [(n, t) for n, t in (("query", query), ("key", key), ("value", value), ("dy", dy),
+                                 ("attentionIn", attention_in)) if t is not None]
+    _check_ranks(op, layout, named)
+    _check_same_but_last(op, "value", value, "key", key)
+    if dy is not None:
+        _check_same_but_last(op, "dy", dy, "query", query)
+    bd = BATCH_DIM[layout]
+    check_dim_equal(op, "key", key, bd, query.shape[bd], "query")
+    geo = _geometry(op, layout, head_num, query, key, value)
+    if dy is not None:
+        check_shape(op, "dy", dy, _layout_shape(geo, geo.n1, geo.sq, geo.dv), "query's shape with D = Dv")
+    if attention_in is not None:
+        check_same_dtype(op, "attentionIn", attention_in, "query", query)
+        check_shape(op, "attentionIn", attention_in, dy.shape, "must equal dy's shape")
+    if cann_limits:
+        _check_cann_sizes(op, geo)
+    return geo
+
+
+def _check_stats(op: str, name: str, t: torch.Tensor, geo: Geometry) -> None:
+    check_dtype(op, name, t, (torch.float32,))
+    check_shape(op, name, t, geo.stats_shape, "[B, N1, Sq, 8]")
+
+
+def _check_output(op: str, name: str, t, shape, dtype: torch.dtype) -> None:
+    require_tensor(op, name, t)
+    if t.dtype != dtype:
+        raise invalid(op, name, f"dtype must be {dtype}", t.dtype)
+    check_shape(op, name, t, shape)
+
+
+# -------------------------------------------------------------------------------------------- plan
+def _unsupported(op: str, param: str, feature: str, value) -> None:
+    """Reject a feature the kernels do not implement yet (161002); no-op once it is in KERNEL_FEATURES."""
+    if feature not in KERNEL_FEATURES:
+        raise invalid(op, param, f"{feature} is not supported yet", value)
+
+
+def _absent(t) -> bool:
+    """CANN treats a missing or 0-dim optional tensor as absent (spec 11.2 step 8)."""
+    return t is None or (isinstance(t, torch.Tensor) and t.dim() == 0)
+
+
+def _check_atten_mask(op: str, mask: torch.Tensor, geo: Geometry, sparse_mode: int) -> None:
+    """attenMask dtype/shape rules of spec 3.1-3.2 (4-D leading dims (B,N1), (B,1) or (1,1))."""
+    check_dtype(op, "attenMask", mask, MASK_DTYPES)
+    check_rank(op, "attenMask", mask, (2, 4))
+    if mask.dim() == 4 and tuple(mask.shape[:2]) not in ((geo.b, geo.n1), (geo.b, 1), (1, 1)):
+        raise invalid(op, "attenMask", f"dims 0-1 must be ({geo.b}, {geo.n1}), ({geo.b}, 1) or (1, 1)",
+                      list(mask.shape))
+    expected = COMPRESSED_MASK.get(sparse_mode, (geo.sq, geo.skv))
+    if tuple(mask.shape[-2:]) != expected:
+        raise invalid(op, "attenMask", f"last two dims must be {list(expected)} for sparseMode {sparse_mode}",
+                      list(mask.shape))
+
+
+def _check_pse(op: str, pse: torch.Tensor, pse_type: int, dtype: torch.dtype) -> None:
+    check_dtype(op, "pse", pse, (dtype,) if pse_type in (0, 1) else (torch.float32,))
+
+
+def _check_drop_mask(op: str, drop_mask, geo: Geometry) -> None:
+    """keepProb < 1 needs a UINT8 bit mask of at least ceil(B*N1*Sq*Skv / 8) bytes (spec 7.2)."""
+    require_tensor(op, "dropMask", drop_mask)
+    check_dtype(op, "dropMask", drop_mask, (torch.uint8,))
+    need = math.ceil(geo.b * geo.n1 * geo.sq * geo.skv / 8)
+    if drop_mask.numel() < need:
+        raise invalid(op, "dropMask", f"must hold at least ceil(B*N1*Sq*Skv/8) = {need} bytes",
+                      drop_mask.numel())
+
+
+def resolve_plan(op: str, geo: Geometry, dtype: torch.dtype, *, scale_value, keep_prob, pre_tokens, next_tokens,
+                 inner_precise, sparse_mode, pse_type, atten_mask, pse, drop_mask, prefix, q_start_idx,
+                 kv_start_idx) -> AttentionPlan:
+    """Check the attributes and optional tensors (spec 11.3) and resolve them into an ``AttentionPlan``.
+
+    The home of spec section 3 (attenMask / sparseMode / tokens -> mask + left-up band), section 4 (pse)
+    and section 7 (dropout). Without attenMask, CANN computes full attention whatever sparseMode and the
+    tokens say (spec 3.1).
+    """
+    scale = check_float(op, "scaleValue", scale_value)
+    keep_prob = check_float(op, "keepProb", keep_prob)
+    check_range(op, "keepProb", keep_prob, 0.0, 1.0, low_open=True)
+    pre_tokens = check_int(op, "preTokens", pre_tokens)
+    next_tokens = check_int(op, "nextTokens", next_tokens)
+    inner_precise = check_int(op, "innerPrecise", inner_precise)
+    check_range(op, "innerPrecise", inner_precise, 0, 2)
+    sparse_mode = check_int(op, "sparseMode", sparse_mode)
+    check_range(op, "sparseMode", sparse_mode, 0, 6)
+    pse_type = check_int(op, "pseType", pse_type)
+    check_range(op, "pseType", pse_type, 0, 3)
+    _int_list(op, "prefix", prefix)
+    _int_list(op, "qStartIdx", q_start_idx)
+    _int_list(op, "kvStartIdx", kv_start_idx)
+    if _absent(pse):
+        if pse_type != 1:
+            raise invalid(op, "pseType", "must be 1 when pse is null (pse input required for pseType 0/2/3)",
+                          pse_type)
+    else:
+        _check_pse(op, pse, pse_type, dtype)
+        _unsupported(op, "pse", "pse (position shift)", list(pse.shape))
+    if not _absent(atten_mask):
+        _check_atten_mask(op, atten_mask, geo, sparse_mode)
+        _unsupported(op, "attenMask", "attenMask / sparseMode / preTokens / nextTokens masking",
+                     f"sparseMode {sparse_mode}, preTokens {pre_tokens}, nextTokens {next_tokens}")
+    if keep_prob < 1.0:
+        _check_drop_mask(op, drop_mask, geo)
+        _unsupported(op, "keepProb", "dropout (keepProb < 1)", keep_prob)
+    return AttentionPlan(scale=scale, pse_type=pse_type, pre_tokens=UNBOUNDED_TOKENS,
+                         next_tokens=UNBOUNDED_TOKENS)
+
+
+# ------------------------------------------------------------------------------------------ checks
+def check_forward(query, key, value, head_num, input_layout, *, pse=None, drop_mask=None, atten_mask=None,
+                  prefix=None, q_start_idx=None, kv_start_idx=None, scale_value=1.0, keep_prob=1.0,
+                  pre_tokens=UNBOUNDED_TOKENS, next_tokens=UNBOUNDED_TOKENS, inner_precise=0, sparse_mode=0,
+                  pse_type=1, softmax_layout="", softmax_max_out=None, softmax_sum_out=None, attention_out=None,
+                  cann_limits=False) -> Problem:
+    """Validate FlashAttentionScore in CANN's order; returns the BNSD problem. ``*_out``: aclnn outputs."""
+    op = FORWARD
+    query, key, value = (require_tensor(op, n, t) for n, t in (("query", query), ("key", key), ("value", value)))
+    if cann_limits:
+        for name, t in (("softmaxMaxOut", softmax_max_out), ("softmaxSumOut", softmax_sum_out),
+                        ("attentionOutOut", attention_out)):
+            require_tensor(op, name, t)
+    head_num = _check_head_num(op, head_num)
+    layout = _check_layout(op, input_layout, softmax_layout)
+    geo = _check_inputs(op, layout, head_num, query, key, value, cann_limits=cann_limits)
+    if cann_limits:
+        for name, t in (("softmaxMaxOut", softmax_max_out), ("softmaxSumOut", softmax_sum_out)):
+            _check_output(op, name, t, geo.stats_shape, torch.float32)
+        _check_output(op, "attentionOutOut", attention_out, _layout_shape(geo, geo.n1, geo.sq, geo.dv),
+                      query.dtype)
+    plan = resolve_plan(op, geo, query.dtype, scale_value=scale_value, keep_prob=keep_prob,
+                        pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise,
+                        sparse_mode=sparse_mode, pse_type=pse_type, atten_mask=atten_mask, pse=pse,
+                        drop_mask=drop_mask, prefix=prefix, q_start_idx=q_start_idx, kv_start_idx=kv_start_idx)
+    return Problem(geo, plan, to_bnsd(query, layout, geo.n1), to_bnsd(key, layout, geo.n2),
+                   to_bnsd(value, layout, geo.n2))
+
+
+def _check_saved(op: str, softmax_max, softmax_sum, attention_in, cann_limits: bool) -> bool:
+    """True when the forward results are given. Torch layer: all three None -> recomputed; some -> 161001."""
+    given = [t is not None for t in (softmax_max, softmax_sum, attention_in)]
+    if not any(given) and not cann_limits:
+        return False
+    for name, t in (("attentionIn", attention_in), ("softmaxMax", softmax_max), ("softmaxSum", softmax_sum)):
+        require_tensor(op, name, t)
+    return True
+
+
+def check_backward(query, key, value, dy, head_num, input_layout, *, pse=None, drop_mask=None, atten_mask=None,
+                   softmax_max=None, softmax_sum=None, attention_in=None, prefix=None, q_start_idx=None,
+                   kv_start_idx=None, scale_value=1.0, keep_prob=1.0, pre_tokens=UNBOUNDED_TOKENS,
+                   next_tokens=UNBOUNDED_TOKENS, inner_precise=0, sparse_mode=0, pse_type=1, softmax_layout="",
+                   dq_out=None, dk_out=None, dv_out=None, cann_limits=False) -> Problem | None:
+    """Validate FlashAttentionScoreGrad in CANN's order (spec 11.2, 11.3); returns the BNSD problem.
+
+    With ``cann_limits`` the aclnn outputs dq/dk/dv are required and None is returned when they are all
+    empty (CANN: success, nothing computed).
+    """
+    op = BACKWARD
+    query, key, value, dy = (require_tensor(op, n, t) for n, t in
+                             (("query", query), ("key", key), ("value", value), ("dy", dy)))
+    saved = _check_saved(op, softmax_max, softmax_sum, attention_in, cann_limits)
+    if cann_limits:
+        outs = [require_tensor(op, n, t) for n, t in (("dqOut", dq_out), ("dkOut", dk_out), ("dvOut", dv_out))]
+        if all(t.numel() == 0 for t in outs):
+            return None
+    head_num = _check_head_num(op, head_num)
+    layout = _check_layout(op, input_layout, softmax_layout)
+    geo = _check_inputs(op, layout, head_num, query, key, value, dy, attention_in, cann_limits)
+    if cann_limits:
+        for name, t, ref in (("dqOut", dq_out, query), ("dkOut", dk_out, key), ("dvOut", dv_out, value)):
+            _check_output(op, name, t, ref.shape, ref.dtype)
+    plan = resolve_plan(op, geo, query.dtype, scale_value=scale_value, keep_prob=keep_prob,
+                        pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise,
+                        sparse_mode=sparse_mode, pse_type=pse_type, atten_mask=atten_mask, pse=pse,
+                        drop_mask=drop_mask, prefix=prefix, q_start_idx=q_start_idx, kv_start_idx=kv_start_idx)
+    problem = Problem(geo, plan, to_bnsd(query, layout, geo.n1), to_bnsd(key, layout, geo.n2),
+                      to_bnsd(value, layout, geo.n2), to_bnsd(dy, layout, geo.n1))
+    if saved:
+        _check_stats(op, "softmaxMax", softmax_max, geo)
+        _check_stats(op, "softmaxSum", softmax_sum, geo)
+        problem.out = to_bnsd(attention_in, layout, geo.n1)
+        problem.softmax_max = softmax_max[..., 0].contiguous()
+        problem.softmax_sum = softmax_sum[..., 0].contiguous()
+    return problem
+
+
+# ----------------------------------------------------------------------------------------- kernels
+def _degenerate(geo: Geometry) -> bool:
+    return 0 in (geo.b, geo.n1, geo.sq, geo.skv, geo.d, geo.dv)
+
+
+def forward_kernel(p: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the forward on a validated problem: ``(out BNSD, softmax_max [B,N1,Sq], softmax_sum [B,N1,Sq])``.
+
+    Empty problems (a zero size) use the dense reference, which is exact and trivially small there:
+    Skv == 0 gives out = 0, max = -FLT_MAX, sum = 0.
+    """
+    if _degenerate(p.geo):
+        out, m, s = flash_attention_forward_reference(p.q, p.k, p.v, p.plan)
+        return out.to(p.q.dtype), m.float(), s.float()
+    return kernels.flash_attention_forward(p.q, p.k, p.v, p.plan)
+
+
+def backward_kernel(p: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the grad on a validated problem (recomputing out/max/sum if absent): BNSD ``(dq, dk, dv)``.
+
+    Spec 11.4: when any of dq, dk, dv is empty (or Skv == 0 / Sq == 0), all gradients are zero-filled.
+    """
+    if _degenerate(p.geo):
+        return (torch.zeros(p.q.shape, dtype=p.q.dtype), torch.zeros(p.k.shape, dtype=p.q.dtype),
+                torch.zeros(p.v.shape, dtype=p.q.dtype))
+    if p.out is None:
+        p.out, p.softmax_max, p.softmax_sum = forward_kernel(p)
+    return kernels.flash_attention_backward(p.q, p.k, p.v, p.dy, p.out, p.softmax_max, p.softmax_sum, p.plan)
+
+
+def stats8(t: torch.Tensor) -> torch.Tensor:
+    """[B, N1, Sq] float32 -> CANN's [B, N1, Sq, 8] (8 equal copies)."""
+    return t.unsqueeze(-1).expand(*t.shape, STATS_COPIES).contiguous()
+
+
+def run_forward(p: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Forward in the user's layout: ``(attention_out, softmax_max [B,N1,Sq,8], softmax_sum [B,N1,Sq,8])``."""
+    out, m, s = forward_kernel(p)
+    return from_bnsd(out, p.geo.layout), stats8(m), stats8(s)
+
+
+def run_backward(p: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Grad in the user's layout: ``(dq, dk, dv)``."""
+    return tuple(from_bnsd(g, p.geo.layout) for g in backward_kernel(p))
+
+
+# -------------------------------------------------------------------------------------------- torch
+class _FlashAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, problem):
+        out, m, s = forward_kernel(problem)
+        ctx.save_for_backward(query, key, value, out, m, s)
+        ctx.geo, ctx.plan = problem.geo, problem.plan
+        m8, s8 = stats8(m), stats8(s)
+        ctx.mark_non_differentiable(m8, s8)
+        return from_bnsd(out, problem.geo.layout), m8, s8
+
+    @staticmethod
+    def backward(ctx, d_out, _d_max, _d_sum):
+        query, key, value, out, m, s = ctx.saved_tensors
+        geo = ctx.geo
+        dy = d_out if d_out.dtype == query.dtype else d_out.to(query.dtype)
+        problem = Problem(geo, ctx.plan, to_bnsd(query, geo.layout, geo.n1), to_bnsd(key, geo.layout, geo.n2),
+                          to_bnsd(value, geo.layout, geo.n2), to_bnsd(dy, geo.layout, geo.n1), out, m, s)
+        dq, dk, dv = run_backward(problem)
+        return dq, dk, dv, None
+
+
+def flash_attention_score(query, key, value, head_num, input_layout, *, pse=None, drop_mask=None,
+                          padding_mask=None, atten_mask=None, prefix=None, actual_seq_qlen=None,
+                          actual_seq_kvlen=None, q_start_idx=None, kv_start_idx=None, scale_value=1.0,
+                          keep_prob=1.0, pre_tokens=2147483647, next_tokens=2147483647, inner_precise=0,
+                          sparse_mode=0, pse_type=1, softmax_layout=""):
+    """CANN FlashAttentionScore -> ``(attention_out, softmax_max, softmax_sum)``.
+
+    query ``[B,Sq,N1*D]`` (BSH) / ``[Sq,B,N1*D]`` (SBH) / ``[B,Sq,N1,D]`` (BSND) / ``[B,N1,Sq,D]`` (BNSD);
+    key like query with N2 heads and Skv; value like key with Dv <= D. attention_out is query's shape with
+    D -> Dv in query's dtype; softmax_max / softmax_sum float32 ``[B, N1, Sq, 8]``. Differentiable w.r.t.
+    query, key and value (the backward is FlashAttentionScoreGrad's kernel on the saved out and stats).
+    ``padding_mask`` is reserved (unused, as in CANN); ``actual_seq_qlen/kvlen`` belong to TND.
+    """
+    p = check_forward(query, key, value, head_num, input_layout, pse=pse, drop_mask=drop_mask,
+                      atten_mask=atten_mask, prefix=prefix, q_start_idx=q_start_idx, kv_start_idx=kv_start_idx,
+                      scale_value=scale_value, keep_prob=keep_prob, pre_tokens=pre_tokens,
+                      next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode,
+                      pse_type=pse_type, softmax_layout=softmax_layout)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return _FlashAttentionFunction.apply(query, key, value, p)
+    return run_forward(p)
+
+
+def flash_attention_score_grad(query, key, value, dy, head_num, input_layout, *, pse=None, drop_mask=None,
+                               padding_mask=None, atten_mask=None, softmax_max=None, softmax_sum=None,
+                               softmax_in=None, attention_in=None, prefix=None, actual_seq_qlen=None,
+                               actual_seq_kvlen=None, q_start_idx=None, kv_start_idx=None, scale_value=1.0,
+                               keep_prob=1.0, pre_tokens=2147483647, next_tokens=2147483647, inner_precise=0,
+                               sparse_mode=0, pse_type=1, softmax_layout=""):
+    """CANN FlashAttentionScoreGrad -> ``(dq, dk, dv, dpse)`` shaped like query, key, value (and pse).
+
+    dy / attention_in: query's shape with D -> Dv; softmax_max / softmax_sum float32 ``[B, N1, Sq, 8]`` from
+    the forward, used as given (spec section 0). When all three are None they are recomputed by the
+    forward kernel (attngrad extension; seed 004 defines the grad from q, k, v, dy alone); giving only some
+    of them is 161001. ``dpse`` is None (pse is not supported yet); ``softmax_in`` / ``padding_mask`` are
+    reserved (unused, as in CANN).
+    """
+    p = check_backward(query, key, value, dy, head_num, input_layout, pse=pse, drop_mask=drop_mask,
+                       atten_mask=atten_mask, softmax_max=softmax_max, softmax_sum=softmax_sum,
+                       attention_in=attention_in, prefix=prefix, q_start_idx=q_start_idx,
+                       kv_start_idx=kv_start_idx, scale_value=scale_value, keep_prob=keep_prob,
+                       pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise,
+                       sparse_mode=sparse_mode, pse_type=pse_type, softmax_layout=softmax_layout)
+    dq, dk, dv = run_backward(p)
+    return dq, dk, dv, None
