@@ -6,6 +6,7 @@ Torch layer (this module), CANN two-phase layer (:mod:`attngrad.aclnn`) and torc
 
 from .errors import AclnnError
 from . import npu  # noqa: F401 - torch_npu names
+from .ops.exp_segsum import exp_segsum, exp_segsum_backward
 from .ops.flash_attention import flash_attention_score, flash_attention_score_grad
 from .ops.scaled_masked_softmax import scaled_masked_softmax, scaled_masked_softmax_backward
 
@@ -13,6 +14,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AclnnError",
+    "exp_segsum",
+    "exp_segsum_backward",
     "flash_attention_score",
     "flash_attention_score_grad",
     "scaled_masked_softmax",

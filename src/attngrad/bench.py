@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import sys
 import pkgutil
 import platform
 import time
@@ -131,7 +132,7 @@ def _render(results: list[BenchResult], rooflines: dict[str, float]) -> None:
         else:
             rate = "-"
         table.add_row(r.case.op, row["dtype"], r.case.label, f"{r.seconds[ours] * 1e3:.2f}", peers, rate)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(f"rooflines: copy {rooflines['copy_gbps']:.1f} GB/s, fp32 GEMM "
                   f"{rooflines['gemm_fp32_tflops']:.2f} TFLOP/s, bf16 GEMM {rooflines['gemm_bf16_tflops']:.2f} TFLOP/s")
     console.print(table)

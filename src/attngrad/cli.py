@@ -40,7 +40,7 @@ def run_verify(ops: list[str] | None) -> int:
     for col in ("operator", "dtype", "case", "output", "norm-rel", "MERE", "MARE", "special", "verdict"):
         table.add_column(col)
     failures = 0
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)
     with console.status("verifying...") as status:
         for case in all_cases(set(ops) if ops else None):
             status.update(f"verifying {case.op} {case.dtype} {case.label}")

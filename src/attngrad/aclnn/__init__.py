@@ -6,6 +6,8 @@
 from ..errors import (ACLNN_ERR_INNER, ACLNN_ERR_INNER_NULLPTR, ACLNN_ERR_INNER_TILING_ERROR,
                       ACLNN_ERR_PARAM_INVALID, ACLNN_ERR_PARAM_NULLPTR, ACLNN_ERR_RUNTIME_ERROR, ACLNN_SUCCESS)
 from .executor import AclOpExecutor
+from .exp_segsum import (aclnnExpSegsum, aclnnExpSegsumBackward, aclnnExpSegsumBackwardGetWorkspaceSize,
+                         aclnnExpSegsumGetWorkspaceSize)
 from .flash_attention import (aclnnFlashAttentionScore, aclnnFlashAttentionScoreGetWorkspaceSize,
                               aclnnFlashAttentionScoreGrad, aclnnFlashAttentionScoreGradGetWorkspaceSize,
                               aclnnFlashAttentionScoreGradV2, aclnnFlashAttentionScoreGradV2GetWorkspaceSize,

@@ -28,7 +28,7 @@ never an [Sq, Skv] tensor.
 
 Tile classification (``_tile_kind``): a tile entirely outside the band is skipped; a tile entirely
 inside it and without atten_mask takes the fast path without per-element tests; the others go through
-``_excluded``, the per-element "score modifier" where pse / dropout of later issues plug in.
+``_modify_scores``, the per-row "score modifier" where pse / dropout of later issues plug in.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ _NEG = np.float32(MASKED_LOGIT)
 _FLT_MAX = np.float32(-MASKED_LOGIT)
 _BQ = 256  # query rows of a tile
 _BK = 256  # key columns of a tile
+_LANES = 16  # independent partial maxima of a row
 _TARGET_TASKS = 8  # the backward splits keys into chunks until B*N2*chunks reaches this (when it can)
 _OUTSIDE, _INSIDE, _PARTIAL = 0, 1, 2
 
@@ -64,13 +65,24 @@ def _tile_kind(i0, rows, j0, cols, pre, nxt):
     return _PARTIAL
 
 
-@njit(inline="always")
-def _excluded(mask, bm, nm, i, j, has_mask, pre, nxt):
-    """Score modifier test: True when key j is not visible from query i (atten_mask or band)."""
-    out = (j < i - pre) | (j > i + nxt)
+@njit(inline="always", fastmath=FASTMATH)
+def _modify_scores(s, r, cols, scale, i, j0, general, mask, bm, nm, has_mask, pre, nxt):
+    """Score modifier of row r of a tile (query i, keys j0..j0+cols): raw QK^T -> logit, in place.
+
+    ``S = QK^T * scale``; keys outside the band or set in atten_mask get -FLT_MAX. ``general`` False
+    (tile inside the band, no mask) skips the tests. pse / dropout of later issues plug in here.
+    """
+    lo, hi = 0, cols
+    if general:
+        lo = min(max(i - pre - j0, 0), cols)
+        hi = max(min(i + nxt - j0 + 1, cols), 0)
+    for c in range(cols):
+        z = s[r, c] * scale
+        s[r, c] = z if (c >= lo) & (c < hi) else _NEG
     if has_mask:
-        out |= mask[bm, nm, i, j] != 0
-    return out
+        for c in range(cols):
+            if mask[bm, nm, i, j0 + c] != 0:
+                s[r, c] = _NEG
 
 
 @njit(inline="always")
@@ -89,24 +101,32 @@ def _dead_row(smax, b, n, i0, rows):
 
 
 @njit(inline="always", fastmath=FASTMATH)
+def _row_max(s, r, cols, lanes):
+    """max of s[r, :cols] (nan-free rows) through 16 independent lanes, which vectorise (a plain max
+    reduction does not without the no-nan fastmath flag). A nan row is caught later by its nan sum."""
+    lanes[:] = -np.inf
+    full = cols - cols % _LANES
+    for c0 in range(0, full, _LANES):
+        for t in range(_LANES):
+            x = s[r, c0 + t]
+            lanes[t] = x if x > lanes[t] else lanes[t]
+    top = np.float32(-np.inf)
+    for c in range(full, cols):
+        top = max(top, s[r, c])
+    for t in range(_LANES):
+        top = max(top, lanes[t])
+    return top
+
+
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
 def _forward_tile(s, p, acc, m, l, rows, cols, general, mask, bm, nm, i0, j0, has_mask, scale, pre, nxt):
     """Online-softmax update of one tile: s holds QK^T, gets the logits; p gets exp(S - m_new)."""
     dv = acc.shape[1]
+    lanes = np.empty(_LANES, np.float32)
     for r in range(rows):
         i = i0 + r
-        top = np.float32(-np.inf)
-        if general:
-            for c in range(cols):
-                z = s[r, c] * scale
-                z = _NEG if _excluded(mask, bm, nm, i, j0 + c, has_mask, pre, nxt) else z
-                s[r, c] = z
-                top = max(top, z)
-        else:
-            for c in range(cols):
-                z = s[r, c] * scale
-                s[r, c] = z
-                top = max(top, z)
-        new = max(m[r], top)
+        _modify_scores(s, r, cols, scale, i, j0, general, mask, bm, nm, has_mask, pre, nxt)
+        new = max(m[r], _row_max(s, r, cols, lanes))
         alpha = exp32(m[r] - new)
         total = np.float32(0.0)
         for c in range(cols):
@@ -119,7 +139,7 @@ def _forward_tile(s, p, acc, m, l, rows, cols, general, mask, bm, nm, i0, j0, ha
             acc[r, d] *= alpha
 
 
-@njit(inline="always")
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
 def _forward_block(q, k, v, b, n, i0, rows, mask, has_mask, scale, pre, nxt, allow_skip, s, p, acc, m, l):
     """One query block over all key blocks; returns True when a tile outside the band was skipped."""
     n2 = n // (q.shape[1] // k.shape[1])
@@ -197,7 +217,7 @@ def _row_dot_kernel(dy, out, dr):
         dr[b, n, i] = acc
 
 
-@njit(inline="always", fastmath=FASTMATH)
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
 def _backward_tile(s, dp, pt, dst, rows, cols, general, mask, bm, nm, i0, j0, has_mask, scale, pre, nxt,
                    smax, ssum, dr, b, n):
     """P = exp(S - max) / sum -> pt (input dtype); dS = P (dP - Dr) -> dst (input dtype)."""
@@ -206,21 +226,14 @@ def _backward_tile(s, dp, pt, dst, rows, cols, general, mask, bm, nm, i0, j0, ha
         mr = smax[b, n, i]
         lr = ssum[b, n, i]
         dri = dr[b, n, i]
-        if general:
-            for c in range(cols):
-                z = s[r, c] * scale
-                z = _NEG if _excluded(mask, bm, nm, i, j0 + c, has_mask, pre, nxt) else z
-                pr = exp32(z - mr) / lr
-                pt[r, c] = narrow(pr, pt)
-                dst[r, c] = narrow(pr * (dp[r, c] - dri), dst)
-        else:
-            for c in range(cols):
-                pr = exp32(s[r, c] * scale - mr) / lr
-                pt[r, c] = narrow(pr, pt)
-                dst[r, c] = narrow(pr * (dp[r, c] - dri), dst)
+        _modify_scores(s, r, cols, scale, i, j0, general, mask, bm, nm, has_mask, pre, nxt)
+        for c in range(cols):
+            pr = exp32(s[r, c] - mr) / lr
+            pt[r, c] = narrow(pr, pt)
+            dst[r, c] = narrow(pr * (dp[r, c] - dri), dst)
 
 
-@njit(inline="always")
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
 def _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, has_mask, scale, pre, nxt, b, n2, j0, chunk,
                         dq_acc, s, dp, pt, dst, dk_acc, dv_acc):
     """dK/dV of keys [j0, j0+BK) over the G query heads and all query blocks; dQ into dq_acc[chunk]."""

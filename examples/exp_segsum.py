@@ -1,0 +1,67 @@
+"""Port of CANN's forward example (ops-math ``math/segsum/examples/test_aclnn_segsum.cpp``, spec part D.4).
+
+self = [0, 1, 2, 3] (fp32, shape 1x1x1x4) -> out (1x1x1x4x4), printed row-major:
+1 0 0 0 / 2.718282 1 0 0 / 20.085537 7.389056 1 0 / 403.428793 148.413159 20.085537 1.
+"""
+
+import numpy as np
+
+from attngrad import aclnn
+from attngrad.examples.acl_helpers import CreateAclTensor, Init, PrintOutResult
+
+
+def main() -> int:
+    device_id = 0
+    ret, stream = Init(device_id)
+    if ret != aclnn.ACL_SUCCESS:
+        print(f"Init acl failed. ERROR: {ret}")
+        return ret
+
+    self_host = np.array([0, 1, 2, 3], dtype=np.float32)
+    out_host = np.zeros(16, dtype=np.float32)
+    self_shape = [1, 1, 1, 4]
+    out_shape = [1, 1, 1, 4, 4]
+
+    ret, self_addr, self_tensor = CreateAclTensor(self_host, self_shape, aclnn.ACL_FLOAT)
+    if ret != aclnn.ACL_SUCCESS:
+        return ret
+    ret, out_addr, out = CreateAclTensor(out_host, out_shape, aclnn.ACL_FLOAT)
+    if ret != aclnn.ACL_SUCCESS:
+        return ret
+
+    ret, workspace_size, executor = aclnn.aclnnExpSegsumGetWorkspaceSize(self_tensor, out)
+    if ret != aclnn.ACL_SUCCESS:
+        print(f"aclnnExpSegsumGetWorkspaceSize failed. ERROR: {ret}")
+        return ret
+    workspace_addr = None
+    if workspace_size > 0:
+        ret, workspace_addr = aclnn.aclrtMalloc(workspace_size, aclnn.ACL_MEM_MALLOC_HUGE_FIRST)
+        if ret != aclnn.ACL_SUCCESS:
+            print(f"allocate workspace failed. ERROR: {ret}")
+            return ret
+    ret = aclnn.aclnnExpSegsum(workspace_addr, workspace_size, executor, stream)
+    if ret != aclnn.ACL_SUCCESS:
+        print(f"aclnnExpSegsum failed. ERROR: {ret}")
+        return ret
+
+    ret = aclnn.aclrtSynchronizeStream(stream)
+    if ret != aclnn.ACL_SUCCESS:
+        print(f"aclrtSynchronizeStream failed. ERROR: {ret}")
+        return ret
+
+    PrintOutResult(out_shape, out_addr)
+
+    for tensor in (self_tensor, out):
+        aclnn.aclDestroyTensor(tensor)
+    for addr in (self_addr, out_addr):
+        aclnn.aclrtFree(addr)
+    if workspace_size > 0:
+        aclnn.aclrtFree(workspace_addr)
+    aclnn.aclrtDestroyStream(stream)
+    aclnn.aclrtResetDevice(device_id)
+    aclnn.aclFinalize()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
