@@ -50,7 +50,19 @@ def require_tensor(op: str, name: str, t, status: int = ACLNN_ERR_PARAM_NULLPTR)
         raise invalid(op, name, "must be a torch.Tensor", type(t).__name__)
     if t.device.type != "cpu":
         raise invalid(op, name, "must be a CPU tensor", t.device)
+    if t.layout != torch.strided:  # sparse / mkldnn tensors have no strided memory for the kernels
+        raise invalid(op, name, "must be a dense (strided) tensor", t.layout)
+    if t.is_neg():  # e.g. z.conj().imag: the memory holds -t; the kernels read memory
+        raise invalid(op, name, "must not carry torch's lazy negation bit (call .resolve_neg() first)",
+                      "is_neg() == True")
     return t
+
+
+def check_output_view(op: str, name: str, t: torch.Tensor) -> None:
+    """An output written in place must not overlap itself (a dim of size > 1 with stride 0)."""
+    if any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride())):
+        raise invalid(op, name, "must not overlap itself (a dim of size > 1 has stride 0)",
+                      f"shape {list(t.shape)}, strides {list(t.stride())}")
 
 
 def check_dtype(op: str, name: str, t: torch.Tensor, allowed: Sequence[torch.dtype]) -> None:
@@ -112,11 +124,17 @@ def check_int(op: str, name: str, value) -> int:
     """Integer attributes (tokens, modes, head counts) must be integers, not floats or bools."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise invalid(op, name, "must be an integer", repr(value))
-    return int(value)
+    value = int(value)
+    if not -2**63 <= value < 2**63:  # CANN's integer attributes are int64_t
+        raise invalid(op, name, "must fit in int64", value)
+    return value
 
 
 def check_float(op: str, name: str, value) -> float:
     """Real attributes (scale, keep_prob) must be real numbers, not bools or strings."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
         raise invalid(op, name, "must be a real number", repr(value))
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # a Python int beyond the double range
+        raise invalid(op, name, "must be representable as a double", value) from None

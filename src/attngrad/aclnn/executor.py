@@ -54,8 +54,12 @@ def check_format_nd(op: str, name: str, t, allowed=(ACL_FORMAT_ND,)) -> None:
 
 
 def write_output(out: torch.Tensor, value: torch.Tensor) -> None:
-    """Copy a result into the caller's output view (its dtype and shape were validated)."""
-    out.copy_(value)
+    """Copy a result into the caller's output view (its dtype and shape were validated).
+
+    Outside autograd: a wrapped torch tensor that requires grad is written like device memory.
+    """
+    with torch.no_grad():
+        out.copy_(value)
 
 
 def two_phase(op: str, prepare):

@@ -7,6 +7,7 @@ describes one, so non-contiguous views port line by line from C++.
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 
@@ -180,6 +181,10 @@ class AclTensor:
             raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{name}: unknown aclDataType {self.data_type}", name)
         if not isinstance(self.storage, DevicePtr) or self.storage.freed:
             raise AclnnError(ACLNN_ERR_PARAM_NULLPTR, f"{name}: storage is null or freed", name)
+        described = (*self.view_dims, *self.strides, self.offset)
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in described):
+            raise AclnnError(ACLNN_ERR_PARAM_INVALID, f"{name}: view dims, strides and offset must be integers, "
+                             f"got {list(self.view_dims)}, {list(self.strides)}, {self.offset!r}", name)
         if len(self.view_dims) != len(self.strides) or any(d < 0 for d in self.view_dims) \
                 or any(s < 0 for s in self.strides) or self.offset < 0:
             raise AclnnError(ACLNN_ERR_PARAM_INVALID,
@@ -187,7 +192,7 @@ class AclTensor:
                              f"offset {self.offset} must be non-negative and of equal rank", name)
         itemsize = torch.empty(0, dtype=dtype).element_size()
         capacity = self.storage.size // itemsize
-        numel = int(np.prod(self.view_dims, dtype=np.int64))
+        numel = math.prod(int(d) for d in self.view_dims)  # Python ints: no int64 wrap-around
         last = self.offset + sum((d - 1) * s for d, s in zip(self.view_dims, self.strides)) if numel else 0
         if numel and last >= capacity:
             raise AclnnError(ACLNN_ERR_PARAM_INVALID,
