@@ -188,8 +188,8 @@ def test_npu_names_and_tuples():
                                               attention_in=out, scale_value=0.25)
     assert len(grads2) == 7 and all(torch.equal(a, b) for a, b in zip(grads2[:3], ref_grads[:3]))
     with pytest.raises(attngrad.AclnnError, match="not supported yet") as exc:
-        npu.npu_fusion_attention(q, k, v, 4, "BSND", keep_prob=0.9)
-    assert exc.value.status == 161002 and exc.value.param == "keep_prob"
+        npu.npu_fusion_attention(q, k, v, 4, "BSND", sink=torch.zeros(4))
+    assert exc.value.status == 161002 and exc.value.param == "sink"
 
 
 def _acl(t):

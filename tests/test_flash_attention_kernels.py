@@ -98,7 +98,7 @@ def test_one_head_is_split_and_deterministic(dtype):
     finally:
         numba.set_num_threads(threads)
     again = flash_attention_backward(q, k, v, dy, *stats, plan)
-    for a, b, c in zip(first, single, again):
+    for a, b, c in zip(first, single[:3], again[:3]):
         assert torch.equal(a, b) and torch.equal(a, c)
     for a, b in zip(flash_attention_forward(q, k, v, plan), single_fwd):
         assert torch.equal(a, b)
@@ -131,16 +131,7 @@ def test_fully_masked_rows(dtype, invalid_rows):
     assert (smax[..., 5] == MASKED_LOGIT).all()
     assert (ssum[..., 5] == (FLT_MAX if invalid_rows else 300)).all()
     grads = _check_backward(q, k, v, dy, plan)
-    assert all(not g.float().isnan().any() for g in grads)
-
-
-def test_unimplemented_plan_features_raise():
-    q, k, v, _ = _inputs(1, 1, 1, 8, 8, 8, 8, torch.float32)
-    with pytest.raises(NotImplementedError, match="pse"):
-        flash_attention_forward(q, k, v, AttentionPlan(scale=1.0, pse=torch.zeros(1, 1, 8, 8)))
-    with pytest.raises(NotImplementedError, match="dropout"):
-        flash_attention_forward(q, k, v, AttentionPlan(scale=1.0, keep_prob=0.5,
-                                                        drop_mask=torch.zeros(8, dtype=torch.uint8)))
+    assert all(not g.float().isnan().any() for g in grads[:3])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

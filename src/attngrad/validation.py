@@ -59,8 +59,8 @@ def require_tensor(op: str, name: str, t, status: int = ACLNN_ERR_PARAM_NULLPTR)
 
 
 def check_output_view(op: str, name: str, t: torch.Tensor) -> None:
-    """An output written in place must not overlap itself (a dim of size > 1 with stride 0)."""
-    if any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride())):
+    """An output written in place must not overlap itself (a dim of size > 1 with stride 0; empty is fine)."""
+    if t.numel() and any(size > 1 and stride == 0 for size, stride in zip(t.shape, t.stride())):
         raise invalid(op, name, "must not overlap itself (a dim of size > 1 has stride 0)",
                       f"shape {list(t.shape)}, strides {list(t.stride())}")
 

@@ -12,6 +12,13 @@ from .flash_attention import (aclnnFlashAttentionScore, aclnnFlashAttentionScore
                               aclnnFlashAttentionScoreGrad, aclnnFlashAttentionScoreGradGetWorkspaceSize,
                               aclnnFlashAttentionScoreGradV2, aclnnFlashAttentionScoreGradV2GetWorkspaceSize,
                               aclnnFlashAttentionScoreV2, aclnnFlashAttentionScoreV2GetWorkspaceSize)
+from .flash_attention_varlen import (aclnnFlashAttentionUnpaddingScoreGrad,
+                                     aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize,
+                                     aclnnFlashAttentionUnpaddingScoreGradV2,
+                                     aclnnFlashAttentionUnpaddingScoreGradV2GetWorkspaceSize,
+                                     aclnnFlashAttentionVarLenScore, aclnnFlashAttentionVarLenScoreGetWorkspaceSize,
+                                     aclnnFlashAttentionVarLenScoreV2,
+                                     aclnnFlashAttentionVarLenScoreV2GetWorkspaceSize)
 from .runtime import *  # noqa: F401,F403 - the AscendCL names, as in C
 from .scaled_masked_softmax import (aclnnScaledMaskedSoftmax, aclnnScaledMaskedSoftmaxBackward,
                                     aclnnScaledMaskedSoftmaxBackwardGetWorkspaceSize,

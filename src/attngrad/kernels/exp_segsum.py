@@ -112,8 +112,9 @@ def exp_segsum_backward(grad_output, grad_self, splits, grad_input):
             cs, g1, g2 = colsum[j0:j0 + width], go[i, j0:j0 + width], gs[i, j0:j0 + width]
             total = np.float32(0.0)
             for j in range(width):  # a 0-based range over slices: no index wrap-around, so it vectorises
-                cs[j] += widen(g1[j]) * widen(g2[j])
-                total += cs[j]
+                v = cs[j] + widen(g1[j]) * widen(g2[j])
+                cs[j] = v
+                total += v
             part[i] = total
     for p in prange(problems):
         a, b, c = p // (B * C), (p // C) % B, p % C

@@ -51,39 +51,109 @@ _LANES = 16  # independent partial maxima of a row
 _TARGET_TASKS = 8  # the backward splits keys into chunks until B*N2*chunks reaches this (when it can)
 _OUTSIDE, _INSIDE, _PARTIAL = 0, 1, 2
 
+# Integer parameters of a plan (array ``ip``; float parameters ``fp = [scale, 1 / keep_prob]``).
+_PRE, _NXT, _HAS_MASK, _PSE_KIND, _PSE_FIRST, _SHIFT, _DROPOUT, _SQ, _DPSE, _N1, _SKV, _N_INT = range(12)
+# pse kinds: none, dense [Bp,N1,Sp,Skv], alibi-compressed [Bp,N1,1024,Skv], generated |d|, generated sqrt|d|
+_PSE_NONE, _PSE_DENSE, _PSE_COMPRESSED, _PSE_ALIBI, _PSE_ALIBI_SQRT = range(5)
+
 _KERNEL = dict(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
 
 
 @njit(inline="always")
-def _tile_kind(i0, rows, j0, cols, pre, nxt):
-    """Where the tile [i0, i0+rows) x [j0, j0+cols) lies relative to the band i - pre <= j <= i + nxt."""
+def _tile_kind(i0, rows, j0, cols, pre, nxt, pfx):
+    """Where the tile [i0, i0+rows) x [j0, j0+cols) lies relative to the visible region
+    (band ``i - pre <= j <= i + nxt``, or ``j < pfx``)."""
     i1 = i0 + rows - 1
     j1 = j0 + cols - 1
-    if j0 > i1 + nxt or j1 < i0 - pre:
-        return _OUTSIDE
-    if j0 >= i1 - pre and j1 <= i0 + nxt:
+    if j1 < pfx or (j0 >= i1 - pre and j1 <= i0 + nxt):
         return _INSIDE
+    if (j0 > i1 + nxt or j1 < i0 - pre) and j0 >= pfx:
+        return _OUTSIDE
     return _PARTIAL
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _modify_scores(s, r, cols, scale, i, j0, general, mask, bm, nm, has_mask, pre, nxt):
+def _add_pse(s, r, cols, i, j0, b, n, pse, ip, scale):
+    """Row r of the tile: raw QK^T -> ``QK^T * scale`` with the pse term of pse_type 0-3, in place.
+
+    The pse is read (or generated) for this row's keys only: dense ``[Bp, N1, Sp, Skv]`` broadcast over
+    b and rows, alibi-compressed through the rule of spec 4.3, or ``-slope * |j - i + shift|`` (sqrt).
+    """
+    kind = ip[_PSE_KIND]
+    if kind == _PSE_NONE:
+        for c in range(cols):
+            s[r, c] = s[r, c] * scale
+        return
+    bp = b if pse.shape[0] > 1 else 0
+    if kind >= _PSE_ALIBI:
+        slope = widen(pse[bp, n, 0, 0])
+        d0 = j0 - i + ip[_SHIFT]
+        for c in range(cols):
+            dist = np.float32(abs(d0 + c))
+            if kind == _PSE_ALIBI_SQRT:
+                dist = np.sqrt(dist)
+            s[r, c] = s[r, c] * scale - slope * dist
+        return
+    row, off, last = (i if pse.shape[2] > 1 else 0), 0, pse.shape[3] - 1
+    if kind == _PSE_COMPRESSED:
+        sq, h = ip[_SQ], pse.shape[2]
+        if i >= sq - h:
+            row = i - (sq - h)
+        else:
+            row = i % h
+            off = pse.shape[3] - i - h + row
+    first = ip[_PSE_FIRST] != 0
+    if kind == _PSE_DENSE:
+        for c in range(cols):
+            x = widen(pse[bp, n, row, j0 + c])
+            s[r, c] = (s[r, c] + x) * scale if first else s[r, c] * scale + x
+        return
+    for c in range(cols):
+        x = widen(pse[bp, n, row, min(max(j0 + c + off, 0), last)])
+        s[r, c] = (s[r, c] + x) * scale if first else s[r, c] * scale + x
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _modify_scores(s, r, cols, i, j0, b, n, general, mask, pse, prefix, ip, fp):
     """Score modifier of row r of a tile (query i, keys j0..j0+cols): raw QK^T -> logit, in place.
 
-    ``S = QK^T * scale``; keys outside the band or set in atten_mask get -FLT_MAX. ``general`` False
-    (tile inside the band, no mask) skips the tests. pse / dropout of later issues plug in here.
+    scale and pse (:func:`_add_pse`); keys outside both the band and the prefix, or set in atten_mask, get
+    -FLT_MAX. ``general`` False (tile entirely visible, no mask to read) skips the tests.
     """
-    lo, hi = 0, cols
-    if general:
-        lo = min(max(i - pre - j0, 0), cols)
-        hi = max(min(i + nxt - j0 + 1, cols), 0)
+    _add_pse(s, r, cols, i, j0, b, n, pse, ip, fp[0])
+    if not general:
+        return
+    lo = min(max(i - ip[_PRE] - j0, 0), cols)
+    hi = max(min(i + ip[_NXT] - j0 + 1, cols), 0)
+    pl = min(max(prefix[b] - j0, 0), cols)
     for c in range(cols):
-        z = s[r, c] * scale
-        s[r, c] = z if (c >= lo) & (c < hi) else _NEG
-    if has_mask:
+        if not (((c >= lo) & (c < hi)) | (c < pl)):
+            s[r, c] = _NEG
+    if ip[_HAS_MASK] != 0:
+        bm = b if mask.shape[0] > 1 else 0
+        nm = n if mask.shape[1] > 1 else 0
         for c in range(cols):
             if mask[bm, nm, i, j0 + c] != 0:
                 s[r, c] = _NEG
+
+
+@njit(inline="always")
+def _keep_factors(drop, e0, cols, inv_keep, f):
+    """f[c] = dropout factor M / keep_prob of flat element e0 + c: bits of the LSB-first packed keep mask,
+    unpacked a whole byte at a time."""
+    zero = np.float32(0.0)
+    c = 0
+    while c < cols and (e0 + c) & 7:
+        f[c] = inv_keep if (drop[(e0 + c) >> 3] >> ((e0 + c) & 7)) & 1 else zero
+        c += 1
+    while c + 8 <= cols:
+        byte = np.int32(drop[(e0 + c) >> 3])
+        for t in range(8):
+            f[c + t] = inv_keep if (byte >> t) & 1 else zero
+        c += 8
+    while c < cols:
+        f[c] = inv_keep if (drop[(e0 + c) >> 3] >> ((e0 + c) & 7)) & 1 else zero
+        c += 1
 
 
 @njit(inline="always")
@@ -120,20 +190,30 @@ def _row_max(s, r, cols, lanes):
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
-def _forward_tile(s, p, acc, m, l, rows, cols, general, mask, bm, nm, i0, j0, has_mask, scale, pre, nxt):
-    """Online-softmax update of one tile: s holds QK^T, gets the logits; p gets exp(S - m_new)."""
+def _forward_tile(s, p, acc, m, l, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp):
+    """Online-softmax update of one tile: s holds QK^T, gets the logits; p gets exp(S - m_new), times the
+    dropout factor M / keep_prob (the sum l takes the undropped values)."""
     dv = acc.shape[1]
     lanes = np.empty(_LANES, np.float32)
+    dropout = ip[_DROPOUT] != 0
+    f = np.empty(cols, np.float32)
     for r in range(rows):
         i = i0 + r
-        _modify_scores(s, r, cols, scale, i, j0, general, mask, bm, nm, has_mask, pre, nxt)
+        _modify_scores(s, r, cols, i, j0, b, n, general, mask, pse, prefix, ip, fp)
         new = max(m[r], _row_max(s, r, cols, lanes))
         alpha = exp32(m[r] - new)
         total = np.float32(0.0)
-        for c in range(cols):
-            e = exp32(s[r, c] - new)
-            p[r, c] = narrow(e, p)
-            total += e
+        if dropout:
+            _keep_factors(drop, ((b * ip[_N1] + n) * ip[_SQ] + i) * ip[_SKV] + j0, cols, fp[1], f)
+            for c in range(cols):
+                e = exp32(s[r, c] - new)
+                p[r, c] = narrow(e * f[c], p)
+                total += e
+        else:
+            for c in range(cols):
+                e = exp32(s[r, c] - new)
+                p[r, c] = narrow(e, p)
+                total += e
         l[r] = l[r] * alpha + total
         m[r] = new
         for d in range(dv):
@@ -141,34 +221,32 @@ def _forward_tile(s, p, acc, m, l, rows, cols, general, mask, bm, nm, i0, j0, ha
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
-def _forward_block(q, k, v, b, n, i0, rows, mask, has_mask, scale, pre, nxt, allow_skip, s, p, acc, m, l):
-    """One query block over all key blocks; returns True when a tile outside the band was skipped."""
+def _forward_block(q, k, v, b, n, i0, rows, mask, pse, prefix, drop, ip, fp, allow_skip, s, p, acc, m, l):
+    """One query block over all key blocks; returns True when a tile outside the visible region was skipped."""
     n2 = n // (q.shape[1] // k.shape[1])
     D, Skv, Dv = q.shape[3], k.shape[2], v.shape[3]
     BK = s.shape[1]
-    bm = b if mask.shape[0] > 1 else 0
-    nm = n if mask.shape[1] > 1 else 0
     m[:] = -np.inf
     l[:] = 0.0
     acc[:] = 0.0
     skipped = False
     for j0 in range(0, Skv, BK):
         cols = min(BK, Skv - j0)
-        kind = _tile_kind(i0, rows, j0, cols, pre, nxt)
+        kind = _tile_kind(i0, rows, j0, cols, ip[_PRE], ip[_NXT], prefix[b])
         if kind == _OUTSIDE and allow_skip:
             skipped = True
             continue
         gemm(q, NO_TRANS, TRANS, rows, cols, D, 1.0, _ptr(q, b, n, i0), D, _ptr(k, b, n2, j0), D,
              0.0, s.ctypes.data, BK)
-        general = has_mask or kind != _INSIDE
-        _forward_tile(s, p, acc, m, l, rows, cols, general, mask, bm, nm, i0, j0, has_mask, scale, pre, nxt)
+        general = ip[_HAS_MASK] != 0 or kind != _INSIDE
+        _forward_tile(s, p, acc, m, l, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp)
         gemm(q, NO_TRANS, NO_TRANS, rows, Dv, cols, 1.0, p.ctypes.data, BK, _ptr(v, b, n2, j0), Dv,
              1.0, acc.ctypes.data, Dv)
     return skipped
 
 
 @njit(**_KERNEL)
-def _forward_kernel(q, k, v, mask, has_mask, scale, pre, nxt, invalid_rows, out, smax, ssum):
+def _forward_kernel(q, k, v, mask, pse, prefix, drop, ip, fp, invalid_rows, out, smax, ssum):
     B, N1, Sq, _ = q.shape
     Dv = v.shape[3]
     nqb = (Sq + _BQ - 1) // _BQ
@@ -182,11 +260,11 @@ def _forward_kernel(q, k, v, mask, has_mask, scale, pre, nxt, invalid_rows, out,
         acc = np.empty((_BQ, Dv), np.float32)
         m = np.empty(_BQ, np.float32)
         l = np.empty(_BQ, np.float32)
-        if (_forward_block(q, k, v, b, n, i0, rows, mask, has_mask, scale, pre, nxt, True, s, p, acc, m, l)
+        if (_forward_block(q, k, v, b, n, i0, rows, mask, pse, prefix, drop, ip, fp, True, s, p, acc, m, l)
                 and not invalid_rows):
             for r in range(rows):  # a fully masked row sums exp(0) over ALL keys: redo without skipping
                 if not m[r] > _NEG:
-                    _forward_block(q, k, v, b, n, i0, rows, mask, has_mask, scale, pre, nxt, False,
+                    _forward_block(q, k, v, b, n, i0, rows, mask, pse, prefix, drop, ip, fp, False,
                                    s, p, acc, m, l)
                     break
         for r in range(rows):
@@ -219,24 +297,42 @@ def _row_dot_kernel(dy, out, dr):
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
-def _backward_tile(s, dp, pt, dst, rows, cols, general, mask, bm, nm, i0, j0, has_mask, scale, pre, nxt,
-                   smax, ssum, dr, b, n):
-    """P = exp(S - max) / sum -> pt (input dtype); dS = P (dP - Dr) -> dst (input dtype)."""
+def _backward_tile(s, dp, pt, dst, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp,
+                   smax, ssum, dr, dpse):
+    """P = exp(S - max) / sum; Pd = P M / keep_prob -> pt and dS = P (dP M / keep_prob - Dr) -> dst (input
+    dtype); with ``ip[_DPSE]`` dS (times scale for pse_type 1) is added into dpse[b, n, i or 0, j]
+    (0 for rows whose max is the fully-masked fill: their logits do not depend on pse)."""
+    dropout = ip[_DROPOUT] != 0
+    f = np.empty(cols, np.float32)
     for r in range(rows):
         i = i0 + r
         mr = smax[b, n, i]
         lr = ssum[b, n, i]
         dri = dr[b, n, i]
-        _modify_scores(s, r, cols, scale, i, j0, general, mask, bm, nm, has_mask, pre, nxt)
-        for c in range(cols):
-            pr = exp32(s[r, c] - mr) / lr
-            pt[r, c] = narrow(pr, pt)
-            dst[r, c] = narrow(pr * (dp[r, c] - dri), dst)
+        _modify_scores(s, r, cols, i, j0, b, n, general, mask, pse, prefix, ip, fp)
+        if dropout:
+            _keep_factors(drop, ((b * ip[_N1] + n) * ip[_SQ] + i) * ip[_SKV] + j0, cols, fp[1], f)
+            for c in range(cols):
+                pr = exp32(s[r, c] - mr) / lr
+                pt[r, c] = narrow(pr * f[c], pt)
+                s[r, c] = pr * (dp[r, c] * f[c] - dri)
+                dst[r, c] = narrow(s[r, c], dst)
+        else:
+            for c in range(cols):
+                pr = exp32(s[r, c] - mr) / lr
+                pt[r, c] = narrow(pr, pt)
+                s[r, c] = pr * (dp[r, c] - dri)
+                dst[r, c] = narrow(s[r, c], dst)
+        if ip[_DPSE] != 0 and mr > _NEG:
+            factor = fp[0] if ip[_PSE_FIRST] != 0 else np.float32(1.0)
+            row = i if dpse.shape[2] > 1 else 0
+            for c in range(cols):
+                dpse[b, n, row, j0 + c] += s[r, c] * factor
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
-def _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, has_mask, scale, pre, nxt, b, n2, j0, chunk,
-                        dq_acc, s, dp, pt, dst, dk_acc, dv_acc):
+def _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, b, n2, j0, chunk,
+                        dq_acc, s, dp, pt, dst, dk_acc, dv_acc, dpse):
     """dK/dV of keys [j0, j0+BK) over the G query heads and all query blocks; dQ into dq_acc[chunk]."""
     N1, Sq, D = q.shape[1], q.shape[2], q.shape[3]
     G = N1 // k.shape[1]
@@ -245,20 +341,18 @@ def _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, has_mask, scale, pre,
     cols = min(BK, Skv - j0)
     dk_acc[:] = 0.0
     dv_acc[:] = 0.0
-    bm = b if mask.shape[0] > 1 else 0
     for n in range(n2 * G, n2 * G + G):
-        nm = n if mask.shape[1] > 1 else 0
         for i0 in range(0, Sq, BQ):
             rows = min(BQ, Sq - i0)
-            kind = _tile_kind(i0, rows, j0, cols, pre, nxt)
+            kind = _tile_kind(i0, rows, j0, cols, ip[_PRE], ip[_NXT], prefix[b])
             if kind == _OUTSIDE and not _dead_row(smax, b, n, i0, rows):
                 continue  # P = exp(-FLT_MAX - max) = 0 on the whole tile
             qp, dyp = _ptr(q, b, n, i0), _ptr(dy, b, n, i0)
             gemm(q, NO_TRANS, TRANS, rows, cols, D, 1.0, qp, D, _ptr(k, b, n2, j0), D, 0.0, s.ctypes.data, BK)
             gemm(q, NO_TRANS, TRANS, rows, cols, Dv, 1.0, dyp, Dv, _ptr(v, b, n2, j0), Dv, 0.0, dp.ctypes.data, BK)
-            general = has_mask or kind != _INSIDE
-            _backward_tile(s, dp, pt, dst, rows, cols, general, mask, bm, nm, i0, j0, has_mask, scale, pre, nxt,
-                           smax, ssum, dr, b, n)
+            general = ip[_HAS_MASK] != 0 or kind != _INSIDE
+            _backward_tile(s, dp, pt, dst, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp,
+                           smax, ssum, dr, dpse)
             gemm(q, TRANS, NO_TRANS, cols, Dv, rows, 1.0, pt.ctypes.data, BK, dyp, Dv, 1.0, dv_acc.ctypes.data, Dv)
             gemm(q, TRANS, NO_TRANS, cols, D, rows, 1.0, dst.ctypes.data, BK, qp, D, 1.0, dk_acc.ctypes.data, D)
             dq_ptr = dq_acc.ctypes.data + (((chunk * dq_acc.shape[1] + b) * N1 + n) * Sq + i0) * D * 4
@@ -267,11 +361,12 @@ def _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, has_mask, scale, pre,
 
 
 @njit(**_KERNEL)
-def _backward_kernel(q, k, v, dy, smax, ssum, dr, mask, has_mask, scale, pre, nxt, dq_acc, dk, dv):
+def _backward_kernel(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, dq_acc, dk, dv, dpse):
     B, N2, Skv, D = k.shape
     Dv = v.shape[3]
     chunks = dq_acc.shape[0]
     nkb = (Skv + _BK - 1) // _BK
+    scale = fp[0]
     for task in prange(B * N2 * chunks):
         b = task // (N2 * chunks)
         n2 = (task // chunks) % N2
@@ -284,8 +379,8 @@ def _backward_kernel(q, k, v, dy, smax, ssum, dr, mask, has_mask, scale, pre, nx
         dv_acc = np.empty((_BK, Dv), np.float32)
         for kb in range(chunk * nkb // chunks, (chunk + 1) * nkb // chunks):
             j0 = kb * _BK
-            _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, has_mask, scale, pre, nxt, b, n2, j0,
-                                chunk, dq_acc, s, dp, pt, dst, dk_acc, dv_acc)
+            _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, b, n2, j0,
+                                chunk, dq_acc, s, dp, pt, dst, dk_acc, dv_acc, dpse)
             for r in range(min(_BK, Skv - j0)):
                 for d in range(D):
                     dk[b, n2, j0 + r, d] = narrow(dk_acc[r, d] * scale, dk)
@@ -308,6 +403,23 @@ def _finish_dq_kernel(dq_acc, scale, dq):
             dq[b, n, i, d] = narrow(acc * scale, dq)
 
 
+@njit(**_KERNEL)
+def _fold_compressed_kernel(full, sq, comp):
+    """dpse of the alibi-compressed pse: ``comp[bp, n, row, col] += full[b, n, i, j]`` along the rule of
+    :func:`_add_pse` (``alibi_source``), b over the batches of bp, in a fixed order; j <= i only (the rest
+    is masked by the causal precondition)."""
+    B, N1, _, Skv = full.shape
+    Bp, _, h, _ = comp.shape
+    for task in prange(Bp * N1):
+        bp = task // N1
+        n = task % N1
+        for b in range(bp, B, Bp):
+            for i in range(sq):
+                row, off = (i - (sq - h), 0) if i >= sq - h else (i % h, Skv - i - h + i % h)
+                for j in range(min(i + 1, Skv)):
+                    comp[bp, n, row, j + off] += full[b, n, i, j]
+
+
 def _dynamic(kernel, *args) -> None:
     """Run a task-parallel kernel with chunk size 1 (tasks handed out one by one: balanced when costs differ)."""
     previous = set_parallel_chunksize(1)
@@ -317,25 +429,39 @@ def _dynamic(kernel, *args) -> None:
         set_parallel_chunksize(previous)
 
 
-def _check_plan(plan: AttentionPlan) -> None:
-    unsupported = [f for f in plan.unsupported_features()
-                   if f not in ("atten_mask", "pre_tokens/next_tokens band", "invalid_rows")]
-    if unsupported:
-        raise NotImplementedError(f"flash attention kernel: {', '.join(unsupported)} not implemented yet")
-
-
 def _view(t: torch.Tensor) -> np.ndarray:
     return kernel_view(t.contiguous())
 
 
-def _mask_args(plan: AttentionPlan) -> tuple:
-    """(mask view, has_mask, scale, pre, next) as the kernels take them."""
-    if plan.atten_mask is None:
-        mask, has_mask = np.zeros((1, 1, 1, 1), np.uint8), False
+def _pse_kind(plan: AttentionPlan) -> int:
+    if plan.pse is None:
+        return _PSE_NONE
+    if plan.pse_type in (2, 3):
+        return _PSE_ALIBI if plan.pse_type == 2 else _PSE_ALIBI_SQRT
+    return _PSE_COMPRESSED if plan.pse_compressed else _PSE_DENSE
+
+
+def _plan_args(plan: AttentionPlan, q: torch.Tensor, skv: int, dpse: bool = False) -> tuple:
+    """(mask, pse, prefix, drop, ip, fp) as the kernels take them (placeholders for absent features)."""
+    b, n1, sq = q.shape[:3]
+    mask = plan.atten_mask
+    mask = np.zeros((1, 1, 1, 1), np.uint8) if mask is None else kernel_view(
+        mask if mask.dtype in (torch.bool, torch.uint8) else mask.to(torch.uint8))
+    if plan.pse is None:
+        pse = np.zeros((1, 1, 1, 1), np.float32)
+    elif plan.pse_type in (2, 3):
+        pse = plan.pse.float().reshape(plan.pse.shape[0], plan.pse.shape[1], 1, 1).numpy()
     else:
-        mask, has_mask = kernel_view(plan.atten_mask.to(torch.uint8) if plan.atten_mask.dtype != torch.bool
-                                     else plan.atten_mask), True
-    return mask, has_mask, np.float32(plan.scale), int(plan.pre_tokens), int(plan.next_tokens)
+        pse = kernel_view(plan.pse)
+    prefix = np.zeros(b, np.int64) if plan.prefix is None else np.asarray(plan.prefix, np.int64)
+    drop = (plan.drop_mask.reshape(-1).contiguous().numpy() if plan.has_dropout
+            else np.zeros(1, np.uint8))
+    ip = np.zeros(_N_INT, np.int64)
+    ip[[_PRE, _NXT, _HAS_MASK, _PSE_KIND, _PSE_FIRST, _SHIFT, _DROPOUT, _SQ, _DPSE, _N1, _SKV]] = [
+        plan.pre_tokens, plan.next_tokens, plan.atten_mask is not None, _pse_kind(plan), plan.pse_type == 1,
+        plan.kv_start_idx - plan.q_start_idx, plan.has_dropout, sq, dpse, n1, skv]
+    fp = np.array([plan.scale, 1.0 / np.float32(plan.keep_prob)], np.float32)
+    return mask, pse, prefix, drop, ip, fp
 
 
 def flash_attention_forward(q, k, v, plan: AttentionPlan):
@@ -344,13 +470,12 @@ def flash_attention_forward(q, k, v, plan: AttentionPlan):
     Fully masked rows: max = -FLT_MAX and sum = Skv (uniform P over all keys), or with
     ``plan.invalid_rows`` out = 0, max = -FLT_MAX, sum = +FLT_MAX (spec section 6).
     """
-    _check_plan(plan)
     B, N1, Sq, _ = q.shape
     out = torch.empty(B, N1, Sq, v.shape[3], dtype=q.dtype)
     smax = torch.empty(B, N1, Sq, dtype=torch.float32)
     ssum = torch.empty(B, N1, Sq, dtype=torch.float32)
-    _dynamic(_forward_kernel, _view(q), _view(k), _view(v), *_mask_args(plan), bool(plan.invalid_rows),
-             kernel_view(out), smax.numpy(), ssum.numpy())
+    _dynamic(_forward_kernel, _view(q), _view(k), _view(v), *_plan_args(plan, q, k.shape[2]),
+             bool(plan.invalid_rows), kernel_view(out), smax.numpy(), ssum.numpy())
     return out, smax, ssum
 
 
@@ -360,14 +485,40 @@ def backward_chunks(batch_kv_heads: int, skv: int) -> int:
     return max(1, min(key_blocks, -(-_TARGET_TASKS // batch_kv_heads)))
 
 
-def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: AttentionPlan):
-    """Returns ``(dq, dk, dv)`` shaped like q, k, v in the input dtype (module docstring for the math).
+def _dpse_buffer(plan: AttentionPlan, q: torch.Tensor, skv: int) -> np.ndarray:
+    """fp32 dpse accumulator written race-free by the backward tasks: ``[B, N1, 1, Skv]`` for a row-broadcast
+    pse (the rows of a (b, key block) belong to one task), else ``[B, N1, Sq, Skv]`` (reduced afterwards)."""
+    b, n1, sq = q.shape[:3]
+    rows = 1 if plan.pse.shape[2] == 1 and not plan.pse_compressed else sq
+    return np.zeros((b, n1, rows, skv), np.float32)
+
+
+def _reduce_dpse(plan: AttentionPlan, acc: np.ndarray) -> torch.Tensor:
+    """The accumulator reduced to pse's shape (batch broadcast summed in batch order; compressed folded)."""
+    if plan.pse_compressed:
+        comp = np.zeros(tuple(plan.pse.shape), np.float32)
+        _fold_compressed_kernel(acc, acc.shape[2], comp)
+        full = torch.from_numpy(comp)
+    elif plan.pse.shape[0] == 1 and acc.shape[0] > 1:
+        full = torch.from_numpy(acc[0].copy())
+        for b in range(1, acc.shape[0]):
+            full += torch.from_numpy(acc[b])
+        full = full.unsqueeze(0)
+    else:
+        full = torch.from_numpy(acc)
+    return full.to(plan.pse.dtype)
+
+
+def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: AttentionPlan,
+                             with_dpse: bool = False):
+    """Returns ``(dq, dk, dv, dpse)``: dq/dk/dv shaped like q, k, v in the input dtype (module docstring for
+    the math); dpse shaped like ``plan.pse`` in its dtype when ``with_dpse`` (pse_type 0/1), else None.
 
     softmax_max / softmax_sum ``[B, N1, Sq]`` fp32 and out (attentionIn) are used as given.
     """
-    _check_plan(plan)
     B, N1, Sq, D = q.shape
     N2, Skv = k.shape[1], k.shape[2]
+    want_dpse = with_dpse and plan.pse is not None and plan.pse_type in (0, 1)
     dyv = _view(dy)
     dr = np.empty((B, N1, Sq), np.float32)
     _row_dot_kernel(dyv, _view(out), dr)
@@ -376,10 +527,11 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     dq = torch.empty(q.shape, dtype=q.dtype)
     dk = torch.empty(k.shape, dtype=q.dtype)
     dv = torch.empty(v.shape, dtype=q.dtype)
+    dpse = _dpse_buffer(plan, q, Skv) if want_dpse else np.zeros((1, 1, 1, 1), np.float32)
     smax = softmax_max.detach().float().contiguous().numpy()
     ssum = softmax_sum.detach().float().contiguous().numpy()
-    mask_args = _mask_args(plan)
-    _dynamic(_backward_kernel, _view(q), _view(k), _view(v), dyv, smax, ssum, dr, *mask_args, dq_acc,
-             kernel_view(dk), kernel_view(dv))
-    _finish_dq_kernel(dq_acc, mask_args[2], kernel_view(dq))
-    return dq, dk, dv
+    args = _plan_args(plan, q, Skv, want_dpse)
+    _dynamic(_backward_kernel, _view(q), _view(k), _view(v), dyv, smax, ssum, dr, *args, dq_acc,
+             kernel_view(dk), kernel_view(dv), dpse)
+    _finish_dq_kernel(dq_acc, args[-1][0], kernel_view(dq))
+    return dq, dk, dv, _reduce_dpse(plan, dpse) if want_dpse else None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .flash_attention_plan import FLT_MAX, MASKED_LOGIT, AttentionPlan
+from .flash_attention_plan import ALIBI_ROWS, FLT_MAX, MASKED_LOGIT, AttentionPlan
 
 
 def _f32(x: float) -> float:
@@ -35,14 +35,39 @@ def _reduce_kv(t: torch.Tensor, n2: int) -> torch.Tensor:
 
 
 def excluded_positions(plan: AttentionPlan, b: int, n1: int, sq: int, skv: int) -> torch.Tensor:
-    """Bool ``[B|1, N1|1, Sq, Skv]``: True where the atten_mask is nonzero or the key is outside the band."""
-    i = torch.arange(sq).view(sq, 1)
-    j = torch.arange(skv).view(1, skv)
+    """Bool ``[B|1, N1|1, Sq, Skv]``: True where the atten_mask is nonzero or the key is outside both the
+    band and the batch's prefix."""
+    i = torch.arange(sq).view(1, 1, sq, 1)
+    j = torch.arange(skv).view(1, 1, 1, skv)
     out = (j < i - plan.pre_tokens) | (j > i + plan.next_tokens)
-    out = out.view(1, 1, sq, skv)
+    if plan.prefix is not None:
+        out = out & (j >= torch.tensor(plan.prefix).view(b, 1, 1, 1))
     if plan.atten_mask is not None:
         out = out | (plan.atten_mask != 0)
     return out
+
+
+def dense_pse(plan: AttentionPlan, pse: torch.Tensor | None, sq: int, skv: int) -> torch.Tensor | float:
+    """The pse term broadcastable to ``[B, N1, Sq, Skv]`` float64, differentiable w.r.t. ``pse``.
+
+    ``pse`` is ``plan.pse`` (or a float64 leaf standing for it). Compressed alibi: gathered through
+    :func:`~attngrad.kernels.flash_attention_plan.alibi_source`; pse_type 2/3: generated from the slopes.
+    """
+    if pse is None:
+        return 0.0
+    i = torch.arange(sq).view(sq, 1)
+    j = torch.arange(skv).view(1, skv)
+    if plan.pse_type in (2, 3):
+        dist = (j + plan.kv_start_idx - i - plan.q_start_idx).abs().double()
+        dist = dist.sqrt() if plan.pse_type == 3 else dist
+        return -pse.double().view(pse.shape[0], pse.shape[1], 1, 1) * dist
+    if not plan.pse_compressed:
+        return pse.double()
+    tail = i >= sq - ALIBI_ROWS
+    m = i % ALIBI_ROWS
+    rows = torch.where(tail, i - (sq - ALIBI_ROWS), m).expand(sq, skv)
+    cols = torch.where(tail, j, (skv - (i - j) - (ALIBI_ROWS - m)).clamp(0, skv - 1))
+    return pse.double()[:, :, rows, cols]
 
 
 def keep_mask(plan: AttentionPlan, shape: tuple[int, int, int, int]) -> torch.Tensor | None:
@@ -58,12 +83,15 @@ def keep_mask(plan: AttentionPlan, shape: tuple[int, int, int, int]) -> torch.Te
     return torch.from_numpy(bits.astype(np.float64)) / _f32(plan.keep_prob)
 
 
-def logits(q: torch.Tensor, k: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-    """S ``[B, N1, Sq, Skv]`` float64 with scale, pse and the -FLT_MAX fill of excluded positions."""
+def logits(q: torch.Tensor, k: torch.Tensor, plan: AttentionPlan, pse: torch.Tensor | None = None
+           ) -> torch.Tensor:
+    """S ``[B, N1, Sq, Skv]`` float64 with scale, pse and the -FLT_MAX fill of excluded positions.
+
+    ``pse`` replaces ``plan.pse`` (a float64 leaf, to differentiate w.r.t. it)."""
     b, n1, sq, _ = q.shape
     skv = k.shape[2]
     s = q.double() @ _expand_kv(k, n1).transpose(-1, -2)
-    pse = 0.0 if plan.pse is None else plan.pse.double()
+    pse = dense_pse(plan, plan.pse if pse is None else pse, sq, skv)
     scale = _f32(plan.scale)
     s = (s + pse) * scale if plan.pse_type == 1 else s * scale + pse
     s = s.expand(b, n1, sq, skv)
@@ -119,3 +147,20 @@ def flash_attention_backward_reference(q, k, v, dy, out, softmax_max, softmax_su
     dq = scale * (ds @ _expand_kv(k, n1))
     dk = scale * (ds.transpose(-1, -2) @ q.double())
     return dq, _reduce_kv(dk, n2), _reduce_kv(dv, n2)
+
+
+def flash_attention_dpse_reference(q, k, v, dy, out, softmax_max, softmax_sum, plan: AttentionPlan):
+    """dpse float64 shaped like ``plan.pse`` (pse_type 0/1): the gradient of the logits' pse term with the
+    GIVEN statistics (dS of the backward; 0 at excluded positions), reduced over pse's broadcast dims and,
+    for the compressed alibi form, summed into the stored entries each logit reads."""
+    leaf = plan.pse.double().requires_grad_()
+    s = logits(q, k, plan, leaf)
+    p = torch.exp(s.detach() - softmax_max.double().unsqueeze(-1)) / softmax_sum.double().unsqueeze(-1)
+    factor = keep_mask(plan, tuple(s.shape))
+    dyd = dy.double()
+    dp = dyd @ _expand_kv(v, q.shape[1]).transpose(-1, -2)
+    dpd = dp if factor is None else dp * factor
+    ds = p * (dpd - (dyd * out.double()).sum(-1, keepdim=True))
+    ds = ds.masked_fill(excluded_positions(plan, *s.shape), 0.0)
+    (grad,) = torch.autograd.grad(s, leaf, ds)
+    return grad

@@ -6,13 +6,22 @@ float32 data as ``float32``, bfloat16 data as ``uint16`` and float16 data as ``i
 and numba compiles one specialisation per dtype.
 
 Rounding: ``narrow`` rounds to nearest, ties to even (CANN's CAST_RINT), and keeps nan and inf.
+float16 conversions use the CPU's F16C instructions (LLVM ``fpext``/``fptrunc`` of ``half``) when the
+compile target has them, else the exact integer versions below; both give the same bits (tests/test_numeric.py).
+
+Vector code: LLVM vectorises a loop only through operations it can prove lane-independent, so the helpers
+here are written as LLVM intrinsics where numba's own lowering would block it (``fmaximum`` for a max
+reduction, ``rint`` and a 2**n bit build in ``exp32``), and ``prefer_512_bit_vectors`` lets a kernel use
+AVX-512 registers where LLVM's default for this CPU is 256 bits.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, types
 from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils, config
+from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic, overload
 
 # fastmath without the no-nan / no-inf assumptions: nan and inf must propagate as the spec says.
@@ -56,6 +65,95 @@ def bits_f32(typingctx, u):
     return types.float32(u), codegen
 
 
+def _call_f32_intrinsic(builder, name: str, args):
+    f32 = ir.FloatType()
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32] * len(args)), name)
+    return builder.call(fn, args)
+
+
+@intrinsic
+def fmaximum(typingctx, a, b):
+    """IEEE maximum of two float32 (nan if either is nan; ``llvm.maximum``).
+
+    LLVM vectorises a running ``top = fmaximum(top, z)`` over a row; ``z if z > top else top`` stays
+    scalar without the no-nan flag. A softmax row holding a nan is all nan either way.
+    """
+    if a != types.float32 or b != types.float32:
+        return None
+    return types.float32(a, b), lambda ctx, builder, sig, args: _call_f32_intrinsic(builder, "llvm.maximum.f32", args)
+
+
+@intrinsic
+def _rint(typingctx, a):
+    """Round a float32 to the nearest integer, ties to even (``llvm.rint``: one vector instruction)."""
+    if a != types.float32:
+        return None
+    return types.float32(a), lambda ctx, builder, sig, args: _call_f32_intrinsic(builder, "llvm.rint.f32", args)
+
+
+@intrinsic
+def _pow2(typingctx, n):
+    """2**n for an integral float32 n in [-127, 127], built in the exponent bits (n = -127 gives +0.0)."""
+    if n != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        k = builder.add(builder.fptosi(args[0], i32), ir.Constant(i32, 127))
+        return builder.bitcast(builder.shl(k, ir.Constant(i32, 23)), ir.FloatType())
+
+    return types.float32(n), codegen
+
+
+@intrinsic
+def prefer_512_bit_vectors(typingctx):
+    """Let LLVM vectorise the enclosing (outlined prange) function with 512-bit registers.
+
+    LLVM's cost model prefers 256-bit vectors on AVX-512 CPUs (``prefer-vector-width``); the streaming
+    kernels here are compute-bound per row (exp, conversions) and run faster at 512 bits. The function
+    attribute only changes the width; without AVX-512 LLVM falls back to the widest legal vectors.
+    llvmlite validates attribute names against a fixed list, hence the plain ``set.add``.
+    """
+    def codegen(context, builder, sig, args):
+        set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+def _target_has(feature: str) -> bool:
+    """Whether numba's compile target (the host CPU unless NUMBA_CPU_FEATURES says otherwise) has ``feature``."""
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
+    return f"+{feature}" in features.split(",")
+
+
+HAS_F16C = _target_has("f16c")
+
+
+@intrinsic
+def _f16c_to_f32(typingctx, h):
+    """float16 bits (int16) -> float32 by ``fpext half`` (F16C ``vcvtph2ps``: exact, subnormals included)."""
+    if h != types.int16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(h), codegen
+
+
+@intrinsic
+def _f32_to_f16c(typingctx, v):
+    """float32 -> float16 bits (int16) by ``fptrunc`` (F16C ``vcvtps2ph``: round half to even, nan stays nan)."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.int16(v), codegen
+
+
 @njit(inline="always")
 def _bf16_to_f32(h):
     return bits_f32(np.uint32(np.uint32(h) << np.uint32(16)))
@@ -75,10 +173,11 @@ def _f16_to_f32(h):
 @njit(inline="always")
 def _f32_to_bf16(v):
     u = f32_bits(v)
-    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):
-        return np.uint16((u >> np.uint32(16)) | np.uint32(0x40))
+    quiet_nan = (u >> np.uint32(16)) | np.uint32(0x40)
     lsb = (u >> np.uint32(16)) & np.uint32(1)
-    return np.uint16((u + np.uint32(0x7FFF) + lsb) >> np.uint32(16))
+    rounded = (u + np.uint32(0x7FFF) + lsb) >> np.uint32(16)
+    # one return: several inlined copies of a multi-return function upset numba's SSA check
+    return np.uint16(quiet_nan if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded)
 
 
 @njit(inline="always")
@@ -97,6 +196,10 @@ def _f32_to_f16(v):
     return np.int16(np.uint16(o | sign))
 
 
+_widen_f16 = _f16c_to_f32 if HAS_F16C else _f16_to_f32
+_narrow_f16 = _f32_to_f16c if HAS_F16C else _f32_to_f16
+
+
 @overload(widen, inline="always")
 def _widen_impl(x):
     if x == types.float32:
@@ -104,13 +207,13 @@ def _widen_impl(x):
     if x == types.uint16:
         return lambda x: _bf16_to_f32(x)
     if x == types.int16:
-        return lambda x: _f16_to_f32(x)
+        return lambda x: _widen_f16(x)
     if isinstance(x, (types.Boolean, types.Integer)):
         return lambda x: np.float32(x)
     return None
 
 
-@overload(narrow, inline="always")
+@overload(narrow)
 def _narrow_impl(v, like):
     dt = like.dtype
     if dt == types.float32:
@@ -118,7 +221,7 @@ def _narrow_impl(v, like):
     if dt == types.uint16:
         return lambda v, like: _f32_to_bf16(np.float32(v))
     if dt == types.int16:
-        return lambda v, like: _f32_to_f16(np.float32(v))
+        return lambda v, like: _narrow_f16(np.float32(v))
     return None
 
 
@@ -132,25 +235,24 @@ _P2 = np.float32(8.3334519073e-3)
 _P3 = np.float32(4.1665795894e-2)
 _P4 = np.float32(1.6666665459e-1)
 _P5 = np.float32(5.0000001201e-1)
-_EXP_LO = np.float32(-86.0)  # below: flush to 0 (keeps every intermediate normal: denormals cost ~100 cycles)
-_EXP_HI = np.float32(88.72)  # above: float32 overflow
+_EXP_LO = np.float32(-88.0)  # rint(-88 / ln2) = -127: 2^n is built as +0.0, so exp(<= -88) = 0 and exp(-inf) = 0
+_EXP_HI = np.float32(89.0)  # n stops at 127; p * 2^127 > FLT_MAX from x = ln(FLT_MAX) = 88.7228 on: +inf
 
 
 @njit(inline="always", fastmath=FASTMATH)
 def exp32(x):
-    """float32 exp that numba vectorises (np.exp does not here). Relative error < 3e-7.
+    """float32 exp that numba vectorises (np.exp does not here). Relative error < 5e-7.
 
-    Results below exp(-86) ~ 4.5e-38 flush to 0; above float32 range give +inf; nan stays nan; exp(-inf) = 0.
+    exp(x) for x <= -87.68 is 0 (the exact results there are below 1.2e-38 * 0.7); from ln(FLT_MAX) on
+    the result overflows to +inf through the final product; nan stays nan; exp(-inf) = 0.
+    Branch-free: the clamps compile to vmaxps/vminps, so nan is restored at the end.
     """
-    xc = min(max(x, _EXP_LO), _EXP_HI)
-    # round to nearest by truncating a positive number: libm's rint is a call numba cannot vectorise,
-    # and numba's int32 arithmetic widens to int64, so n stays a float until the exponent bits are built
-    n = np.float32(np.int32(xc * _LOG2E + np.float32(128.5))) - np.float32(128.0)
-    n = min(n, np.float32(127.0))  # 2^n stays a normal float32
+    xc = x if x > _EXP_LO else _EXP_LO
+    xc = xc if xc < _EXP_HI else _EXP_HI
+    n = _rint(xc * _LOG2E)
+    n = n if n < np.float32(127.0) else np.float32(127.0)  # for x in [88.38, 89]: r up to 0.97, 2^n finite
     r = xc - n * _LN2_HI - n * _LN2_LO
     p = ((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5
     p = p * r * r + r + np.float32(1.0)
-    res = p * bits_f32(np.int32((n + np.float32(127.0)) * np.float32(8388608.0)))
-    res = np.float32(0.0) if x < _EXP_LO else res
-    res = np.float32(np.inf) if x > _EXP_HI else res
+    res = p * _pow2(n)
     return x if x != x else res

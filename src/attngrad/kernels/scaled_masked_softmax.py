@@ -1,9 +1,13 @@
-"""Fused one-pass CPU kernels for ScaledMaskedSoftmax and its backward.
+"""Fused CPU kernels for ScaledMaskedSoftmax and its backward, at memory bandwidth.
 
 Both kernels take 4-D kernel views (see :mod:`.tensor_view`): data ``[B, N, S1, S2]`` with any strides,
 and the mask in its own ``[Bm, Nm, S1, S2]`` shape with ``Bm in {1, B}``, ``Nm in {1, N}`` (CANN's
-broadcast on dims 0 and 1). Rows are independent, so the ``prange`` split gives the same bits for any
-thread count. Each row is read from memory once; the second sweep runs over data still in cache.
+broadcast on dims 0 and 1). Rows are independent; ``prange`` runs over fixed blocks of ``_ROWS_PER_TASK``
+rows, so every row is computed by the same instructions for any thread count (bit-identical results).
+
+Each row is read from memory once and written once. Within a block the rows are software-pipelined: one
+loop over the row reads row ``k + 1`` (memory), computes row ``k`` (exp, or the gradient) and writes row
+``k - 1`` (memory), so the memory streams run while the core computes instead of in separate phases.
 """
 
 from __future__ import annotations
@@ -11,10 +15,90 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .numeric import FASTMATH, exp32, narrow, widen
+from .numeric import FASTMATH, exp32, fmaximum, narrow, prefer_512_bit_vectors, widen
 
 MASK_VALUE = np.float32(-10000.0)  # CANN fills masked logits with -10000, not -inf
-_ROWS_PER_TASK = 16
+_ROWS_PER_TASK = 64
+
+
+@njit(inline="always")
+def _row(r, N, S1, mask):
+    """Row number -> (b, n, s) of the data and (bm, nm) of the (broadcast) mask."""
+    b = r // (N * S1)
+    n = (r // S1) % N
+    s = r % S1
+    return b, n, s, b if mask.shape[0] > 1 else 0, n if mask.shape[1] > 1 else 0
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _logit(x, mask, row, j, scale, round_scaled):
+    """where(mask, -10000, x * scale) in fp32; the fp16 path rounds x * scale to fp16 first (CANN)."""
+    b, n, s, bm, nm = row
+    z = widen(x[b, n, s, j]) * scale
+    if round_scaled:
+        z = widen(narrow(z, x))
+    return MASK_VALUE if mask[bm, nm, s, j] else z
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _load_row(x, mask, row, scale, round_scaled, buf):
+    """buf = logits of ``row``; returns their max."""
+    top = np.float32(-np.inf)
+    for j in range(buf.size):
+        z = _logit(x, mask, row, j, scale, round_scaled)
+        buf[j] = z
+        top = fmaximum(top, z)
+    return top
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _exp_row(buf, top):
+    """buf = exp(buf - top) in place; returns the sum."""
+    total = np.float32(0.0)
+    for j in range(buf.size):
+        e = exp32(buf[j] - top)
+        buf[j] = e
+        total += e
+    return total
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _store_row(y, row, buf, inv):
+    b, n, s, _, _ = row
+    for j in range(buf.size):
+        y[b, n, s, j] = narrow(buf[j] * inv, y)
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs):
+    """Softmax of rows [first, last): three row buffers rotate (loaded, exponentiated, stored)."""
+    N, S1 = x.shape[1], x.shape[2]
+    top_next = _load_row(x, mask, _row(first, N, S1, mask), scale, round_scaled, bufs[0])
+    inv = np.float32(0.0)
+    for r in range(first, last):
+        cur, nxt, prv = bufs[(r - first) % 3], bufs[(r - first + 1) % 3], bufs[(r - first + 2) % 3]
+        top = top_next
+        top_next = np.float32(-np.inf)
+        if r > first and r + 1 < last:
+            row_prv, row_nxt = _row(r - 1, N, S1, mask), _row(r + 1, N, S1, mask)
+            b, n, s, _, _ = row_prv
+            total = np.float32(0.0)
+            for j in range(cur.size):
+                y[b, n, s, j] = narrow(prv[j] * inv, y)
+                z = _logit(x, mask, row_nxt, j, scale, round_scaled)
+                nxt[j] = z
+                top_next = fmaximum(top_next, z)
+                e = exp32(cur[j] - top)
+                cur[j] = e
+                total += e
+        else:  # first and last row of the block: the three stages one after the other
+            if r > first:
+                _store_row(y, _row(r - 1, N, S1, mask), prv, inv)
+            if r + 1 < last:
+                top_next = _load_row(x, mask, _row(r + 1, N, S1, mask), scale, round_scaled, nxt)
+            total = _exp_row(cur, top)
+        inv = np.float32(1.0) / total
+    _store_row(y, _row(last - 1, N, S1, mask), bufs[(last - 1 - first) % 3], inv)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
@@ -24,53 +108,56 @@ def scaled_masked_softmax_forward(x, mask, scale, round_scaled, y):
     ``round_scaled``: the fp16 path of CANN scales in fp16, so ``x * scale`` is rounded to x's dtype
     (``scale`` is then already the fp16-rounded value).
     """
-    B, N, S1, S2 = x.shape
-    mb = mask.shape[0] > 1
-    mn = mask.shape[1] > 1
-    rows = B * N * S1
-    tasks = (rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK
-    for task in prange(tasks):
-        buf = np.empty(S2, dtype=np.float32)
-        for r in range(task * _ROWS_PER_TASK, min(rows, (task + 1) * _ROWS_PER_TASK)):
-            b = r // (N * S1)
-            n = (r // S1) % N
-            s = r % S1
-            bm = b if mb else 0
-            nm = n if mn else 0
-            top = -np.inf
+    rows = x.shape[0] * x.shape[1] * x.shape[2]
+    for task in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        prefer_512_bit_vectors()
+        bufs = np.empty((3, x.shape[3]), dtype=np.float32)
+        first = task * _ROWS_PER_TASK
+        _forward_block(x, mask, scale, round_scaled, y, first, min(rows, first + _ROWS_PER_TASK), bufs)
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _row_dot(grad_output, y, row):
+    b, n, s, _, _ = row
+    acc = np.float32(0.0)
+    for j in range(grad_output.shape[3]):
+        acc += widen(grad_output[b, n, s, j]) * widen(y[b, n, s, j])
+    return acc
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _grad(grad_output, y, mask, row, j, acc, scale):
+    b, n, s, bm, nm = row
+    g = (widen(grad_output[b, n, s, j]) - acc) * widen(y[b, n, s, j]) * scale
+    return np.float32(0.0) if mask[bm, nm, s, j] else g
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _backward_block(grad_output, y, mask, scale, out, first, last):
+    """Gradient of rows [first, last): the row sum of row r + 1 is taken while row r is written."""
+    N, S1, S2 = grad_output.shape[1], grad_output.shape[2], grad_output.shape[3]
+    acc_next = _row_dot(grad_output, y, _row(first, N, S1, mask))
+    for r in range(first, last):
+        acc = acc_next
+        row = _row(r, N, S1, mask)
+        b, n, s, _, _ = row
+        if r + 1 < last:
+            row_nxt = _row(r + 1, N, S1, mask)
+            b1, n1, s1, _, _ = row_nxt
+            acc_next = np.float32(0.0)
             for j in range(S2):
-                z = widen(x[b, n, s, j]) * scale
-                if round_scaled:
-                    z = widen(narrow(z, x))
-                z = MASK_VALUE if mask[bm, nm, s, j] else z
-                buf[j] = z
-                top = z if z > top else top
-            total = np.float32(0.0)
+                acc_next += widen(grad_output[b1, n1, s1, j]) * widen(y[b1, n1, s1, j])
+                out[b, n, s, j] = narrow(_grad(grad_output, y, mask, row, j, acc, scale), out)
+        else:
             for j in range(S2):
-                e = exp32(buf[j] - top)
-                buf[j] = e
-                total += e
-            inv = np.float32(1.0) / total
-            for j in range(S2):
-                y[b, n, s, j] = narrow(buf[j] * inv, y)
+                out[b, n, s, j] = narrow(_grad(grad_output, y, mask, row, j, acc, scale), out)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def scaled_masked_softmax_backward(grad_output, y, mask, scale, out):
     """out = where(mask, 0, (dy - sum(dy * y)) * y * scale); the row sum runs over ALL positions."""
-    B, N, S1, S2 = grad_output.shape
-    mb = mask.shape[0] > 1
-    mn = mask.shape[1] > 1
-    rows = B * N * S1
-    for r in prange(rows):
-        b = r // (N * S1)
-        n = (r // S1) % N
-        s = r % S1
-        bm = b if mb else 0
-        nm = n if mn else 0
-        acc = np.float32(0.0)
-        for j in range(S2):
-            acc += widen(grad_output[b, n, s, j]) * widen(y[b, n, s, j])
-        for j in range(S2):
-            g = (widen(grad_output[b, n, s, j]) - acc) * widen(y[b, n, s, j]) * scale
-            out[b, n, s, j] = narrow(np.float32(0.0) if mask[bm, nm, s, j] else g, out)
+    rows = grad_output.shape[0] * grad_output.shape[1] * grad_output.shape[2]
+    for task in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
+        prefer_512_bit_vectors()
+        first = task * _ROWS_PER_TASK
+        _backward_block(grad_output, y, mask, scale, out, first, min(rows, first + _ROWS_PER_TASK))

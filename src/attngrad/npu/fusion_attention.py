@@ -6,30 +6,27 @@ empty ``softmax_out`` (reserved) and ``numels = B * N1 * Sq * Skv``; the grads r
 dsink)`` (v1) and ``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)`` (v2), absent ones as empty tensors.
 ``gen_mask_parallel`` and ``sync`` only steer the NPU's mask generation and are accepted without effect.
 
-Not supported yet (AclnnError 161002): dropout (keep_prob < 1; torch_npu regenerates the mask from seed,
-offset and numels), ``sink``, ``query_rope`` / ``key_rope``.
+Dropout (keep_prob < 1) without an explicit ``dropout_mask``: the forward draws the keep mask from
+``(seed, offset)`` with attngrad's documented counter-based generator
+(:func:`attngrad.kernels.dropout.generate_drop_mask`) and returns ``(seed, offset, numels)``; the grads
+regenerate the very same mask from them, as torch_npu does. Not supported yet (AclnnError 161002): ``sink``,
+``query_rope`` / ``key_rope``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..ops.flash_attention import SEQ_DIM, flash_attention_score, flash_attention_score_grad
+from ..kernels.dropout import generate_drop_mask
+from ..ops.flash_attention import BATCH_DIM, SEQ_DIM, flash_attention_score, flash_attention_score_grad
 from ..validation import invalid
 
 _FORWARD = "npu_fusion_attention"
 _GRAD = "npu_fusion_attention_grad"
 
 
-def _reject_unsupported(op: str, keep_prob, dropout_mask=None, **optional) -> None:
-    """Dropout mask generation, sink and rope are later issues: refuse them rather than ignore them.
-
-    An explicit ``dropout_mask`` goes to the contract (ignored when keep_prob == 1, as in CANN).
-    """
-    if dropout_mask is None and isinstance(keep_prob, (int, float)) and not isinstance(keep_prob, bool) \
-            and keep_prob < 1:
-        raise invalid(op, "keep_prob", "dropout (keep_prob < 1, mask generated from seed/offset) is not "
-                                       "supported yet", keep_prob)
+def _reject_unsupported(op: str, **optional) -> None:
+    """Sink and rope are later issues: refuse them rather than ignore them."""
     for name, value in optional.items():
         if value is not None:
             raise invalid(op, name, "is not supported yet", type(value).__name__)
@@ -39,15 +36,38 @@ def _empty_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype)
 
 
-def _numels(key, input_layout, softmax_max) -> int:
-    """torch_npu's dropout element count B * N1 * Sq * Skv (non-TND)."""
-    b, n1, sq = softmax_max.shape[:3]
-    return int(b * n1 * sq * key.shape[SEQ_DIM[input_layout]])
+def _lengths(cumulative) -> list[int]:
+    values = [int(x) for x in cumulative]
+    return [b - a for a, b in zip([0] + values[:-1], values)]
 
 
-def _forward(query, key, value, head_num, input_layout, seed, offset, **kw):
-    out, softmax_max, softmax_sum = flash_attention_score(query, key, value, head_num, input_layout, **kw)
-    numels = _numels(key, input_layout, softmax_max)
+def _numels(query, key, head_num, input_layout, actual_seq_qlen=None, actual_seq_kvlen=None) -> int:
+    """torch_npu's dropout element count: B * N1 * Sq * Skv, or N1 * sum_b Sq_b * Skv_b for TND (0 when the
+    shapes are malformed: the contract then reports them)."""
+    try:
+        if str(input_layout).upper() == "TND":
+            pairs = zip(_lengths(actual_seq_qlen), _lengths(actual_seq_kvlen))
+            return int(head_num) * sum(sq * skv for sq, skv in pairs)
+        layout = str(input_layout).upper()
+        return int(query.shape[BATCH_DIM[layout]] * int(head_num) * query.shape[SEQ_DIM[layout]]
+                   * key.shape[SEQ_DIM[layout]])
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+        return 0
+
+
+def _drop_mask(keep_prob, dropout_mask, seed, offset, numels):
+    """The explicit mask, or the generated one for (seed, offset, numels) when keep_prob < 1."""
+    if dropout_mask is not None or not isinstance(keep_prob, (int, float)) or isinstance(keep_prob, bool) \
+            or not 0 < keep_prob < 1:
+        return dropout_mask
+    return generate_drop_mask(seed, offset, numels, keep_prob)
+
+
+def _forward(query, key, value, head_num, input_layout, seed, offset, keep_prob, dropout_mask, **kw):
+    numels = _numels(query, key, head_num, input_layout, kw.get("actual_seq_qlen"), kw.get("actual_seq_kvlen"))
+    drop_mask = _drop_mask(keep_prob, dropout_mask, seed, offset, numels)
+    out, softmax_max, softmax_sum = flash_attention_score(query, key, value, head_num, input_layout,
+                                                          keep_prob=keep_prob, drop_mask=drop_mask, **kw)
     return out, softmax_max, softmax_sum, _empty_like(query), seed, offset, numels
 
 
@@ -58,9 +78,9 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
                          seed=0, offset=0):
     """torch_npu ``npu_fusion_attention`` -> ``(attention_out, softmax_max, softmax_sum, softmax_out, seed,
     offset, numels)``."""
-    _reject_unsupported(_FORWARD, keep_prob, dropout_mask, sink=sink)
-    return _forward(query, key, value, head_num, input_layout, seed, offset, pse=pse, drop_mask=dropout_mask,
-                    padding_mask=padding_mask, atten_mask=atten_mask, scale_value=scale, keep_prob=keep_prob,
+    _reject_unsupported(_FORWARD, sink=sink)
+    return _forward(query, key, value, head_num, input_layout, seed, offset, keep_prob, dropout_mask, pse=pse,
+                    padding_mask=padding_mask, atten_mask=atten_mask, scale_value=scale,
                     pre_tokens=pre_tockens, next_tokens=next_tockens, inner_precise=inner_precise, prefix=prefix,
                     actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode,
                     softmax_layout=softmax_layout)
@@ -73,18 +93,22 @@ def npu_fusion_attention_v2(query, key, value, head_num, input_layout, *, pse=No
                             sync=False, pse_type=1, q_start_idx=None, kv_start_idx=None, softmax_layout="",
                             sink=None, dropout_mask=None, seed=0, offset=0):
     """torch_npu ``npu_fusion_attention_v2``: v1 plus pse_type, q/kv_start_idx (and rope, not supported)."""
-    _reject_unsupported(_FORWARD + "_v2", keep_prob, dropout_mask, query_rope=query_rope, key_rope=key_rope,
-                        sink=sink)
-    return _forward(query, key, value, head_num, input_layout, seed, offset, pse=pse, drop_mask=dropout_mask,
-                    padding_mask=padding_mask, atten_mask=atten_mask, scale_value=scale, keep_prob=keep_prob,
+    _reject_unsupported(_FORWARD + "_v2", query_rope=query_rope, key_rope=key_rope, sink=sink)
+    return _forward(query, key, value, head_num, input_layout, seed, offset, keep_prob, dropout_mask, pse=pse,
+                    padding_mask=padding_mask, atten_mask=atten_mask, scale_value=scale,
                     pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise, prefix=prefix,
                     actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode,
                     pse_type=pse_type, q_start_idx=q_start_idx, kv_start_idx=kv_start_idx,
                     softmax_layout=softmax_layout)
 
 
-def _grad(query, key, value, dy, head_num, input_layout, pse, **kw):
-    dq, dk, dv, dpse = flash_attention_score_grad(query, key, value, dy, head_num, input_layout, pse=pse, **kw)
+def _grad(query, key, value, dy, head_num, input_layout, pse, seed, offset, numels, **kw):
+    """The grad with the drop mask regenerated from (seed, offset, numels) (numels 0: from the shapes)."""
+    numels = numels or _numels(query, key, head_num, input_layout, kw.get("actual_seq_qlen"),
+                               kw.get("actual_seq_kvlen"))
+    drop_mask = _drop_mask(kw["keep_prob"], None, seed, offset, numels)
+    dq, dk, dv, dpse = flash_attention_score_grad(query, key, value, dy, head_num, input_layout, pse=pse,
+                                                  drop_mask=drop_mask, **kw)
     return dq, dk, dv, _empty_like(query) if dpse is None else dpse
 
 
@@ -95,8 +119,9 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
                               actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
                               sync=False, softmax_layout="", sink=None):
     """torch_npu ``npu_fusion_attention_grad`` -> ``(dq, dk, dv, dpse, dsink)`` (pseType 1)."""
-    _reject_unsupported(_GRAD, keep_prob, sink=sink)
-    dq, dk, dv, dpse = _grad(query, key, value, dy, head_num, input_layout, pse, padding_mask=padding_mask,
+    _reject_unsupported(_GRAD, sink=sink)
+    dq, dk, dv, dpse = _grad(query, key, value, dy, head_num, input_layout, pse, seed, offset, numels,
+                             padding_mask=padding_mask,
                              atten_mask=atten_mask, softmax_max=softmax_max, softmax_sum=softmax_sum,
                              softmax_in=softmax_in, attention_in=attention_in, scale_value=scale_value,
                              keep_prob=keep_prob, pre_tokens=pre_tockens, next_tokens=next_tockens,
@@ -114,8 +139,9 @@ def npu_fusion_attention_grad_v2(query, key, value, dy, head_num, input_layout, 
                                  sparse_mode=0, gen_mask_parallel=True, sync=False, pse_type=1, q_start_idx=None,
                                  kv_start_idx=None, softmax_layout="", sink=None):
     """torch_npu ``npu_fusion_attention_grad_v2`` -> ``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)``."""
-    _reject_unsupported(_GRAD + "_v2", keep_prob, query_rope=query_rope, key_rope=key_rope, sink=sink)
-    dq, dk, dv, dpse = _grad(query, key, value, dy, head_num, input_layout, pse, padding_mask=padding_mask,
+    _reject_unsupported(_GRAD + "_v2", query_rope=query_rope, key_rope=key_rope, sink=sink)
+    dq, dk, dv, dpse = _grad(query, key, value, dy, head_num, input_layout, pse, seed, offset, numels,
+                             padding_mask=padding_mask,
                              atten_mask=atten_mask, softmax_max=softmax_max, softmax_sum=softmax_sum,
                              softmax_in=softmax_in, attention_in=attention_in, scale_value=scale_value,
                              keep_prob=keep_prob, pre_tokens=pre_tokens, next_tokens=next_tokens,

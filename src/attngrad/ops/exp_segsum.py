@@ -23,7 +23,8 @@ import torch
 
 from ..kernels import exp_segsum as kernels
 from ..kernels.tensor_view import kernel_view
-from ..validation import FLOAT_DTYPES, check_dtype, check_rank, check_same_dtype, check_shape, require_tensor
+from ..validation import (FLOAT_DTYPES, check_dtype, check_output_view, check_rank, check_same_dtype, check_shape,
+                          require_tensor)
 
 FORWARD = "ExpSegsum"
 BACKWARD = "ExpSegsumBackward"
@@ -52,6 +53,7 @@ def check_forward(x, out=None, *, cann_limits=False) -> bool:
     if out is not None:
         check_rank(op, "out", out, (x.dim() + 1,))
         check_shape(op, "out", out, (*x.shape, x.shape[-1]), "must be self's shape + (T,)")
+        check_output_view(op, "out", out)
     return not _is_empty(x)
 
 
@@ -86,6 +88,7 @@ def check_backward(grad_output, grad_self, grad_input=None, *, cann_limits=False
     if grad_input is not None:
         check_shape(op, "gradInput", grad_input, grad_output.shape[:-1], "must be gradOutput's shape without "
                     f"its last dim (T = {t})")
+        check_output_view(op, "gradInput", grad_input)
     return not _is_empty(grad_output, grad_self)
 
 

@@ -34,10 +34,11 @@ import torch
 
 from ..errors import ACLNN_ERR_PARAM_NULLPTR, AclnnError
 from ..kernels import flash_attention as kernels
-from ..kernels.flash_attention_plan import UNBOUNDED_TOKENS, AttentionPlan
+from ..kernels.flash_attention_plan import (ALIBI_ROWS, MASK_READ_MODES, UNBOUNDED_TOKENS, AttentionPlan,
+                                            band_row_counts, sparse_rule)
 from ..kernels.flash_attention_reference import flash_attention_forward_reference
 from ..validation import (FLOAT_DTYPES, MASK_DTYPES, check_choice, check_dim_equal, check_dtype, check_float,
-                          check_int, check_range, check_rank, check_same_dtype, check_shape, invalid,
+                          check_int, check_output_view, check_range, check_rank, check_same_dtype, check_shape, invalid,
                           require_tensor)
 
 FORWARD = "FlashAttentionScore"
@@ -48,10 +49,11 @@ BATCH_DIM = {"BNSD": 0, "BSND": 0, "BSH": 0, "SBH": 1}
 STATS_COPIES = 8
 CANN_MAX_HEADS = 256
 CANN_MAX_HEAD_DIM = 512
-COMPRESSED_MASK = {2: (2048, 2048), 3: (2048, 2048), 4: (2048, 2048), 6: (3072, 2048)}
+COMPRESSED_MASK = {2: (2048, 2048), 3: (2048, 2048), 4: (2048, 2048), 6: (3072, 2048), 7: (2048, 2048),
+                   8: (2048, 2048)}
 
-# Plan features the kernels implement; the issues that add masks, pse and dropout extend this set.
-KERNEL_FEATURES: frozenset[str] = frozenset()
+# Plan features the kernels implement (every feature of AttentionPlan; TND is handled by the varlen contract).
+KERNEL_FEATURES: frozenset[str] = frozenset({"attenMask", "sparseMode", "prefix", "pse", "dropout"})
 
 
 @dataclass(frozen=True)
@@ -233,22 +235,18 @@ def _check_output(op: str, name: str, t, shape, dtype: torch.dtype) -> None:
     if t.dtype != dtype:
         raise invalid(op, name, f"dtype must be {dtype}", t.dtype)
     check_shape(op, name, t, shape)
+    check_output_view(op, name, t)
 
 
 # -------------------------------------------------------------------------------------------- plan
-def _unsupported(op: str, param: str, feature: str, value) -> None:
-    """Reject a feature the kernels do not implement yet (161002); no-op once it is in KERNEL_FEATURES."""
-    if feature not in KERNEL_FEATURES:
-        raise invalid(op, param, f"{feature} is not supported yet", value)
-
-
 def _absent(t) -> bool:
     """CANN treats a missing or 0-dim optional tensor as absent (spec 11.2 step 8)."""
     return t is None or (isinstance(t, torch.Tensor) and t.dim() == 0)
 
 
 def _check_atten_mask(op: str, mask: torch.Tensor, geo: Geometry, sparse_mode: int) -> None:
-    """attenMask dtype/shape rules of spec 3.1-3.2 (4-D leading dims (B,N1), (B,1) or (1,1))."""
+    """attenMask dtype/shape rules of spec 3.1-3.2 (4-D leading dims (B,N1), (B,1) or (1,1); compressed
+    [2048, 2048] for modes 2/3/4/7/8 and [3072, 2048] for mode 6; mode 5 per batch when B > 1)."""
     check_dtype(op, "attenMask", mask, MASK_DTYPES)
     check_rank(op, "attenMask", mask, (2, 4))
     if mask.dim() == 4 and tuple(mask.shape[:2]) not in ((geo.b, geo.n1), (geo.b, 1), (1, 1)):
@@ -258,10 +256,113 @@ def _check_atten_mask(op: str, mask: torch.Tensor, geo: Geometry, sparse_mode: i
     if tuple(mask.shape[-2:]) != expected:
         raise invalid(op, "attenMask", f"last two dims must be {list(expected)} for sparseMode {sparse_mode}",
                       list(mask.shape))
+    if sparse_mode == 5 and geo.b > 1 and (mask.dim() == 2 or mask.shape[0] == 1):
+        raise invalid(op, "attenMask", "sparseMode 5 with B > 1 needs a per-batch [B, N1|1, Sq, Skv] mask",
+                      list(mask.shape))
 
 
-def _check_pse(op: str, pse: torch.Tensor, pse_type: int, dtype: torch.dtype) -> None:
+def _check_tokens(op: str, geo: Geometry, sparse_mode: int, pre_tokens: int, next_tokens: int) -> None:
+    """Modes 0/4 (spec 3.2, tiling): in left-up origin (mode 4: ``pre' = pre + Sq - Skv``, ``next' = next +
+    Skv - Sq``) the band must select at least one key: ``-pre' < Skv``, ``-next' < Sq`` and
+    ``pre' + next' >= 0`` (CANN's tiling test, exact at the equality where the band becomes empty)."""
+    shift = geo.sq - geo.skv if sparse_mode == 4 else 0
+    pre, nxt = pre_tokens + shift, next_tokens - shift
+    origin = "right-down (sparseMode 4)" if sparse_mode == 4 else "left-up"
+    value = f"preTokens {pre_tokens}, nextTokens {next_tokens} (Sq {geo.sq}, Skv {geo.skv})"
+    if -pre >= geo.skv or -nxt >= geo.sq or pre + nxt < 0:
+        raise invalid(op, "preTokens/nextTokens", f"the {origin} band i - pre <= j <= i + next selects no key "
+                      "(need -pre' < Skv, -next' < Sq and pre' + next' >= 0 in left-up origin)", value)
+
+
+def _check_prefix(op: str, geo: Geometry, sparse_mode: int, prefix: list[int] | None) -> list[int] | None:
+    """Modes 5/6: prefix has B entries in [0, Skv] (Sq > Skv) or [Skv - Sq, Skv] (spec 3.2); mode 6 needs it,
+    mode 5 without it is mask-only (full computation)."""
+    if prefix is None:
+        if sparse_mode == 6:
+            raise AclnnError(ACLNN_ERR_PARAM_NULLPTR, f"{op}: prefix must not be null (None) for sparseMode 6",
+                             "prefix")
+        return None
+    if len(prefix) != geo.b:
+        raise invalid(op, "prefix", f"must have B = {geo.b} entries for sparseMode {sparse_mode}", len(prefix))
+    low = 0 if geo.sq > geo.skv else geo.skv - geo.sq
+    for value in prefix:
+        check_range(op, "prefix", value, low, geo.skv)
+    return prefix
+
+
+def _resolve_mask(op: str, geo: Geometry, mask: torch.Tensor, sparse_mode: int, pre_tokens: int,
+                  next_tokens: int, prefix: list[int] | None) -> dict:
+    """attenMask + sparseMode + tokens + prefix -> the plan's mask / band / prefix (spec 3.2).
+
+    Modes 0/1/5 apply the mask's content element-wise (on top of the band of mode 0 and the prefix rule of
+    mode 5); modes 2/3/4/6 take their compressed mask as the standard triu pattern and run from the index
+    rule alone (:func:`sparse_rule`), never reading the tensor.
+    """
+    _check_atten_mask(op, mask, geo, sparse_mode)
+    if sparse_mode in (0, 4):
+        _check_tokens(op, geo, sparse_mode, pre_tokens, next_tokens)
+    if sparse_mode in (5, 6):
+        prefix = _check_prefix(op, geo, sparse_mode, prefix)
+    pre, nxt, rule_prefix = sparse_rule(sparse_mode, pre_tokens, next_tokens, geo.sq, geo.skv, prefix)
+    dense = None
+    if sparse_mode in MASK_READ_MODES:
+        dense = (mask.unsqueeze(0).unsqueeze(0) if mask.dim() == 2 else mask).detach()
+    return dict(atten_mask=dense, pre_tokens=pre,
+                next_tokens=nxt, prefix=None if rule_prefix is None else tuple(rule_prefix))
+
+
+def _rule_leaves_empty_rows(geo: Geometry, band: dict) -> bool:
+    """True when the band/prefix rule leaves a query row without keys: CANN then enables its invalid-row
+    mode by itself (spec 6: band with pre' < Sq - Skv or next' < 0; prefix mode with a prefix 0)."""
+    prefixes = set(band["prefix"] or (0,))
+    return any(band_row_counts(geo.sq, geo.skv, band["pre_tokens"], band["next_tokens"], p).min() == 0
+               for p in prefixes) if geo.sq and geo.skv else False
+
+
+def _check_pse_shape(op: str, pse: torch.Tensor, geo: Geometry, band: dict) -> bool:
+    """pseType 0/1 shapes (spec 4.2, in CANN's order): [B,N1,1,Skv], [B,N1,Sq,Skv], [1,N1,Sq,Skv], then the
+    alibi-compressed [B|1,N1,1024,Skv] (needs Sq == Skv > 1024 and a causal rule: pre' >= Sq, next' == 0).
+    Returns True for the compressed form."""
+    check_rank(op, "pse", pse, (4,))
+    shape = tuple(pse.shape)
+    b, n1, sq, skv = geo.b, geo.n1, geo.sq, geo.skv
+    if shape in ((b, n1, 1, skv), (b, n1, sq, skv), (1, n1, sq, skv)):
+        return False
+    if shape in ((b, n1, ALIBI_ROWS, skv), (1, n1, ALIBI_ROWS, skv)):
+        causal = band["pre_tokens"] == UNBOUNDED_TOKENS and band["next_tokens"] == 0 and band["prefix"] is None
+        if sq == skv and sq > ALIBI_ROWS and causal:
+            return True
+        raise invalid(op, "pse", f"the alibi-compressed [B|1, N1, {ALIBI_ROWS}, Skv] form needs Sq == Skv >= "
+                      f"{ALIBI_ROWS} and a causal attenMask/sparseMode (pre' >= Sq, next' == 0)",
+                      f"{list(shape)}, Sq {sq}, Skv {skv}")
+    raise invalid(op, "pse", f"shape must be [B, N1, 1, Skv], [B, N1, Sq, Skv], [1, N1, Sq, Skv] or "
+                  f"[B|1, N1, {ALIBI_ROWS}, Skv] = ({b}, {n1}, {sq}, {skv})", list(shape))
+
+
+def _start_index(op: str, name: str, values: list[int] | None) -> int:
+    """qStartIdx / kvStartIdx: an int array of length 1 (absent = 0)."""
+    if not values:
+        return 0
+    if len(values) != 1:
+        raise invalid(op, name, "must have exactly 1 element", values)
+    return values[0]
+
+
+def _resolve_pse(op: str, geo: Geometry, dtype: torch.dtype, pse: torch.Tensor, pse_type: int, band: dict,
+                 q_start_idx, kv_start_idx) -> dict:
+    """pse + pseType -> the plan's pse (spec 4): pseType 0/1 a [Bp,N1,Sp,Skv] tensor of query's dtype (or
+    the compressed alibi); pseType 2/3 float32 slopes [N1] or [B,N1] (as [Bs, N1]) with Sq == Skv."""
     check_dtype(op, "pse", pse, (dtype,) if pse_type in (0, 1) else (torch.float32,))
+    if pse_type in (0, 1):
+        return dict(pse=pse.detach(), pse_compressed=_check_pse_shape(op, pse, geo, band))
+    if tuple(pse.shape) not in ((geo.n1,), (geo.b, geo.n1)):
+        raise invalid(op, "pse", f"alibi slopes (pseType {pse_type}) must be [N1] or [B, N1] = "
+                      f"({geo.b}, {geo.n1})", list(pse.shape))
+    if geo.sq != geo.skv:
+        raise invalid(op, "pseType", f"pseType {pse_type} (generated alibi) needs Sq == Skv",
+                      f"Sq {geo.sq}, Skv {geo.skv}")
+    return dict(pse=pse.detach().reshape(-1, geo.n1), q_start_idx=_start_index(op, "qStartIdx", q_start_idx),
+                kv_start_idx=_start_index(op, "kvStartIdx", kv_start_idx))
 
 
 def _check_drop_mask(op: str, drop_mask, geo: Geometry) -> None:
@@ -279,9 +380,11 @@ def resolve_plan(op: str, geo: Geometry, dtype: torch.dtype, *, scale_value, kee
                  kv_start_idx) -> AttentionPlan:
     """Check the attributes and optional tensors (spec 11.3) and resolve them into an ``AttentionPlan``.
 
-    The home of spec section 3 (attenMask / sparseMode / tokens -> mask + left-up band), section 4 (pse)
-    and section 7 (dropout). Without attenMask, CANN computes full attention whatever sparseMode and the
-    tokens say (spec 3.1).
+    The home of spec section 3 (attenMask / sparseMode / tokens / prefix -> mask + left-up band + prefix,
+    via :func:`sparse_rule`), section 4 (pse), section 6 (invalid rows: innerPrecise 2, or a rule that
+    leaves rows without keys) and section 7 (dropout). Without attenMask, CANN computes full attention
+    whatever sparseMode, the tokens and prefix say (spec 3.1). Only ``geo``'s sizes are used, so a varlen
+    caller can resolve each batch with its own Sq_b / Skv_b.
     """
     scale = check_float(op, "scaleValue", scale_value)
     keep_prob = check_float(op, "keepProb", keep_prob)
@@ -291,28 +394,31 @@ def resolve_plan(op: str, geo: Geometry, dtype: torch.dtype, *, scale_value, kee
     inner_precise = check_int(op, "innerPrecise", inner_precise)
     check_range(op, "innerPrecise", inner_precise, 0, 2)
     sparse_mode = check_int(op, "sparseMode", sparse_mode)
-    check_range(op, "sparseMode", sparse_mode, 0, 6)
+    check_range(op, "sparseMode", sparse_mode, 0, 8)
+    if sparse_mode in (7, 8):
+        raise invalid(op, "sparseMode", "modes 7/8 (varlen split) need inputLayout TND", sparse_mode)
     pse_type = check_int(op, "pseType", pse_type)
     check_range(op, "pseType", pse_type, 0, 3)
-    _int_list(op, "prefix", prefix)
-    _int_list(op, "qStartIdx", q_start_idx)
-    _int_list(op, "kvStartIdx", kv_start_idx)
+    prefix = _int_list(op, "prefix", prefix)
+    q_start_idx = _int_list(op, "qStartIdx", q_start_idx)
+    kv_start_idx = _int_list(op, "kvStartIdx", kv_start_idx)
+    for name, t in (("pse", pse), ("attenMask", atten_mask)):
+        if t is not None:
+            require_tensor(op, name, t)
+    fields = dict(atten_mask=None, pre_tokens=UNBOUNDED_TOKENS, next_tokens=UNBOUNDED_TOKENS, prefix=None)
+    if not _absent(atten_mask):
+        fields.update(_resolve_mask(op, geo, atten_mask, sparse_mode, pre_tokens, next_tokens, prefix))
+    invalid_rows = inner_precise == 2 or _rule_leaves_empty_rows(geo, fields)
     if _absent(pse):
         if pse_type != 1:
             raise invalid(op, "pseType", "must be 1 when pse is null (pse input required for pseType 0/2/3)",
                           pse_type)
     else:
-        _check_pse(op, pse, pse_type, dtype)
-        _unsupported(op, "pse", "pse (position shift)", list(pse.shape))
-    if not _absent(atten_mask):
-        _check_atten_mask(op, atten_mask, geo, sparse_mode)
-        _unsupported(op, "attenMask", "attenMask / sparseMode / preTokens / nextTokens masking",
-                     f"sparseMode {sparse_mode}, preTokens {pre_tokens}, nextTokens {next_tokens}")
+        fields.update(_resolve_pse(op, geo, dtype, pse, pse_type, fields, q_start_idx, kv_start_idx))
     if keep_prob < 1.0:
         _check_drop_mask(op, drop_mask, geo)
-        _unsupported(op, "keepProb", "dropout (keepProb < 1)", keep_prob)
-    return AttentionPlan(scale=scale, pse_type=pse_type, pre_tokens=UNBOUNDED_TOKENS,
-                         next_tokens=UNBOUNDED_TOKENS)
+        fields.update(keep_prob=keep_prob, drop_mask=drop_mask.detach().reshape(-1))
+    return AttentionPlan(scale=scale, pse_type=pse_type, invalid_rows=invalid_rows, **fields)
 
 
 # ------------------------------------------------------------------------------------------ checks
@@ -410,17 +516,21 @@ def forward_kernel(p: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return kernels.flash_attention_forward(p.q, p.k, p.v, p.plan)
 
 
-def backward_kernel(p: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run the grad on a validated problem (recomputing out/max/sum if absent): BNSD ``(dq, dk, dv)``.
+def backward_kernel(p: Problem, with_dpse: bool = False) -> tuple:
+    """Run the grad on a validated problem (recomputing out/max/sum if absent): BNSD ``(dq, dk, dv, dpse)``;
+    dpse (pse's shape, pseType 0/1) only when ``with_dpse``, else None.
 
     Spec 11.4: when any of dq, dk, dv is empty (or Skv == 0 / Sq == 0), all gradients are zero-filled.
     """
+    pse = p.plan.pse
     if _degenerate(p.geo):
+        dpse = torch.zeros(pse.shape, dtype=pse.dtype) if with_dpse and pse is not None else None
         return (torch.zeros(p.q.shape, dtype=p.q.dtype), torch.zeros(p.k.shape, dtype=p.q.dtype),
-                torch.zeros(p.v.shape, dtype=p.q.dtype))
+                torch.zeros(p.v.shape, dtype=p.q.dtype), dpse)
     if p.out is None:
         p.out, p.softmax_max, p.softmax_sum = forward_kernel(p)
-    return kernels.flash_attention_backward(p.q, p.k, p.v, p.dy, p.out, p.softmax_max, p.softmax_sum, p.plan)
+    return kernels.flash_attention_backward(p.q, p.k, p.v, p.dy, p.out, p.softmax_max, p.softmax_sum, p.plan,
+                                            with_dpse=with_dpse)
 
 
 def stats8(t: torch.Tensor) -> torch.Tensor:
@@ -434,15 +544,23 @@ def run_forward(p: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return from_bnsd(out, p.geo.layout), stats8(m), stats8(s)
 
 
-def run_backward(p: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Grad in the user's layout: ``(dq, dk, dv)``."""
-    return tuple(from_bnsd(g, p.geo.layout) for g in backward_kernel(p))
+def run_backward(p: Problem, with_dpse: bool = False) -> tuple:
+    """Grad in the user's layout: ``(dq, dk, dv, dpse)`` (dpse as in :func:`backward_kernel`)."""
+    *grads, dpse = backward_kernel(p, with_dpse)
+    return (*(from_bnsd(g, p.geo.layout) for g in grads), dpse)
+
+
+def has_float_pse(plan: AttentionPlan) -> bool:
+    """pseType 0/1 with a pse tensor: the case where attngrad returns dpse (an extension of CANN)."""
+    return plan.pse is not None and plan.pse_type in (0, 1)
 
 
 # -------------------------------------------------------------------------------------------- torch
 class _FlashAttentionFunction(torch.autograd.Function):
+    """Differentiable w.r.t. query, key, value and (pseType 0/1) pse."""
+
     @staticmethod
-    def forward(ctx, query, key, value, problem):
+    def forward(ctx, query, key, value, pse, problem):
         out, m, s = forward_kernel(problem)
         ctx.save_for_backward(query, key, value, out, m, s)
         ctx.geo, ctx.plan = problem.geo, problem.plan
@@ -457,8 +575,8 @@ class _FlashAttentionFunction(torch.autograd.Function):
         dy = d_out if d_out.dtype == query.dtype else d_out.to(query.dtype)
         problem = Problem(geo, ctx.plan, to_bnsd(query, geo.layout, geo.n1), to_bnsd(key, geo.layout, geo.n2),
                           to_bnsd(value, geo.layout, geo.n2), to_bnsd(dy, geo.layout, geo.n1), out, m, s)
-        dq, dk, dv = run_backward(problem)
-        return dq, dk, dv, None
+        dq, dk, dv, dpse = run_backward(problem, with_dpse=ctx.needs_input_grad[3])
+        return dq, dk, dv, dpse, None
 
 
 def flash_attention_score(query, key, value, head_num, input_layout, *, pse=None, drop_mask=None,
@@ -471,16 +589,26 @@ def flash_attention_score(query, key, value, head_num, input_layout, *, pse=None
     query ``[B,Sq,N1*D]`` (BSH) / ``[Sq,B,N1*D]`` (SBH) / ``[B,Sq,N1,D]`` (BSND) / ``[B,N1,Sq,D]`` (BNSD);
     key like query with N2 heads and Skv; value like key with Dv <= D. attention_out is query's shape with
     D -> Dv in query's dtype; softmax_max / softmax_sum float32 ``[B, N1, Sq, 8]``. Differentiable w.r.t.
-    query, key and value (the backward is FlashAttentionScoreGrad's kernel on the saved out and stats).
+    query, key, value and (pseType 0/1) pse: the backward is FlashAttentionScoreGrad's kernel on the saved
+    out and stats (the same drop mask).
     ``padding_mask`` is reserved (unused, as in CANN); ``actual_seq_qlen/kvlen`` belong to TND.
     """
+    if input_layout == "TND":  # varlen: the per-batch contract of attngrad.ops.flash_attention_varlen
+        from . import flash_attention_varlen as varlen
+        return varlen.flash_attention_score(query, key, value, head_num, input_layout, pse=pse, drop_mask=drop_mask,
+            atten_mask=atten_mask, prefix=prefix, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
+            q_start_idx=q_start_idx, kv_start_idx=kv_start_idx, scale_value=scale_value, keep_prob=keep_prob,
+            pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode,
+            pse_type=pse_type, softmax_layout=softmax_layout)
     p = check_forward(query, key, value, head_num, input_layout, pse=pse, drop_mask=drop_mask,
                       atten_mask=atten_mask, prefix=prefix, q_start_idx=q_start_idx, kv_start_idx=kv_start_idx,
                       scale_value=scale_value, keep_prob=keep_prob, pre_tokens=pre_tokens,
                       next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode,
                       pse_type=pse_type, softmax_layout=softmax_layout)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        return _FlashAttentionFunction.apply(query, key, value, p)
+    differentiable = [t for t in (query, key, value) if t.requires_grad]
+    pse_leaf = pse if has_float_pse(p.plan) and pse.requires_grad else None
+    if torch.is_grad_enabled() and (differentiable or pse_leaf is not None):
+        return _FlashAttentionFunction.apply(query, key, value, pse_leaf, p)
     return run_forward(p)
 
 
@@ -495,14 +623,23 @@ def flash_attention_score_grad(query, key, value, dy, head_num, input_layout, *,
     dy / attention_in: query's shape with D -> Dv; softmax_max / softmax_sum float32 ``[B, N1, Sq, 8]`` from
     the forward, used as given (spec section 0). When all three are None they are recomputed by the
     forward kernel (attngrad extension; seed 004 defines the grad from q, k, v, dy alone); giving only some
-    of them is 161001. ``dpse`` is None (pse is not supported yet); ``softmax_in`` / ``padding_mask`` are
-    reserved (unused, as in CANN).
+    of them is 161001. ``dpse`` (attngrad extension; CANN reserves it): for pseType 0/1 the gradient w.r.t.
+    pse (its shape and dtype, reduced over its broadcast dims, 0 at excluded positions), else None.
+    ``softmax_in`` / ``padding_mask`` are reserved (unused, as in CANN).
     """
+    if input_layout == "TND":  # varlen: the per-batch contract of attngrad.ops.flash_attention_varlen
+        from . import flash_attention_varlen as varlen
+        return varlen.flash_attention_score_grad(
+            query, key, value, dy, head_num, input_layout, softmax_max=softmax_max, softmax_sum=softmax_sum,
+            attention_in=attention_in, pse=pse, drop_mask=drop_mask,
+            atten_mask=atten_mask, prefix=prefix, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
+            q_start_idx=q_start_idx, kv_start_idx=kv_start_idx, scale_value=scale_value, keep_prob=keep_prob,
+            pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode,
+            pse_type=pse_type, softmax_layout=softmax_layout)
     p = check_backward(query, key, value, dy, head_num, input_layout, pse=pse, drop_mask=drop_mask,
                        atten_mask=atten_mask, softmax_max=softmax_max, softmax_sum=softmax_sum,
                        attention_in=attention_in, prefix=prefix, q_start_idx=q_start_idx,
                        kv_start_idx=kv_start_idx, scale_value=scale_value, keep_prob=keep_prob,
                        pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise,
                        sparse_mode=sparse_mode, pse_type=pse_type, softmax_layout=softmax_layout)
-    dq, dk, dv = run_backward(p)
-    return dq, dk, dv, None
+    return run_backward(p, with_dpse=has_float_pse(p.plan))

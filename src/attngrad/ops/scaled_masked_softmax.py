@@ -21,7 +21,8 @@ from ..errors import ACLNN_ERR_PARAM_NULLPTR
 from ..kernels import scaled_masked_softmax as kernels
 from ..kernels.tensor_view import kernel_view
 from ..validation import (FLOAT_DTYPES, check_dim_broadcast, check_dim_equal, check_dtype, check_float,
-                          check_range, check_rank, check_same_dtype, check_shape, invalid, require_tensor)
+                          check_output_view, check_range, check_rank, check_same_dtype, check_shape, invalid,
+                          require_tensor)
 
 FORWARD = "ScaledMaskedSoftmax"
 BACKWARD = "ScaledMaskedSoftmaxBackward"
@@ -78,6 +79,7 @@ def check_forward(x, mask, scale=1.0, fix_triu_mask=False, y=None, *, cann_limit
     if y is not None:
         check_same_dtype(op, "y", y, "x", x)
         check_shape(op, "y", y, x.shape, "must equal x's shape")
+        check_output_view(op, "y", y)
     scale = _check_attrs(op, x, scale, fix_triu_mask, cann_limits)
     mask = _resolve_mask(op, mask, "x", x, fix_triu_mask)
     return x, mask, scale
@@ -100,6 +102,7 @@ def check_backward(grad_output, y, mask, scale=1.0, fix_triu_mask=False, out=Non
     check_shape(op, "y", y, grad_output.shape, "must equal gradOutput's shape")
     if out is not None:
         check_shape(op, "out", out, grad_output.shape, "must equal gradOutput's shape")
+        check_output_view(op, "out", out)
     # seed 002: the backward's last dim is in [0, 4096]; S2 = 0 is an empty tensor -> success
     # (CANN's tiling would reject it with an inner error; the seed wins).
     scale = _check_attrs(op, grad_output, scale, fix_triu_mask, cann_limits, min_last_dim=0)

@@ -1,0 +1,584 @@
+"""Contract of the varlen (TND) FlashAttentionScore / FlashAttentionScoreGrad (spec sections 1.5, 5.2, 8, 11).
+
+Layout TND: query ``[T1, N1, D]``, key ``[T2, N2, D]``, value ``[T2, N2, Dv]``, dy / attention_in / out
+``[T1, N1, Dv]``. ``actual_seq_qlen`` / ``actual_seq_kvlen`` are CUMULATIVE end offsets (list of int or 1-D
+integer tensor), equal length: batch b owns query rows ``[cum_q[b-1], cum_q[b])`` and key rows
+``[cum_kv[b-1], cum_kv[b])`` and is its own ``Sq_b x Skv_b`` attention problem. Zero-length batches are
+allowed; trailing entries where both arrays are 0 disable those batches; T may exceed the totals (the tail
+rule of spec 8). Rows beyond the totals get zero output and zero gradient.
+
+Each batch runs through the BNSD kernels of :mod:`attngrad.ops.flash_attention` on views of the packed
+tensors (``query[q0:q1]`` is ``[Sq_b, N1, D]`` -> ``[1, N1, Sq_b, D]``); nothing is padded to the longest
+sequence. The per-batch :class:`AttentionPlan` comes from the contract's ``resolve_plan`` with the batch's
+own geometry, so masks, sparse modes (right-down shifts by ``Skv_b - Sq_b``), pse and dropout follow the
+core exactly and are supported (or refused with 161002 "not supported yet") exactly as the core does.
+The TND-only rules live here: the SS / compressed mask forms (3.1), sparse modes 7 and 8 (3.2: the band
+batch is the last (7) / first (8) batch with ``Sq_b != 0``; it runs as mode 4, the others as mode 3 / 2),
+the flattened 1-D pse forms and per-batch slopes (4.4), the per-batch dropout bit blocks (7.2: batch b
+starts at bit ``N1 * sum_{b'<b} Sq_b' Skv_b'``), and the sequence-length checks (8, 11.2 step 7).
+
+softmax_max / softmax_sum: float32 ``[T1, N1, 8]`` (8 equal copies). ``softmax_layout`` selects the data
+order: ``""`` (CANN's default) stores batch b as a contiguous ``[N1, Sq_b, 8]`` block at row offset
+``cum_q[b-1] * N1`` of the flattened ``[T1 * N1, 8]``; ``"TND"`` stores row t, head n at ``[t, n]``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from functools import cached_property
+
+import numpy as np
+import torch
+
+from ..errors import ACLNN_ERR_PARAM_NULLPTR, AclnnError
+from ..kernels.flash_attention_plan import ALIBI_ROWS, UNBOUNDED_TOKENS, AttentionPlan
+from ..validation import (FLOAT_DTYPES, MASK_DTYPES, check_choice, check_dtype, check_float, check_int, check_range,
+                          check_rank, check_same_dtype, check_shape, invalid, require_tensor)
+from .flash_attention import (STATS_COPIES, Geometry, Problem, _absent, _check_cann_sizes, _check_head_num,
+                              _check_output, _check_same_but_last, _check_saved, _geometry, _int_list,
+                              backward_kernel, forward_kernel, has_float_pse, resolve_plan, stats8)
+
+FORWARD = "FlashAttentionVarLenScore"
+BACKWARD = "FlashAttentionUnpaddingScoreGrad"
+SOFTMAX_LAYOUTS = ("", "TND")
+CANN_MAX_BATCHES = 2048                 # actualSeqQLen length 1~2K (unpadding V1-V3)
+COMPRESSED = {2: (2048, 2048), 3: (2048, 2048), 4: (2048, 2048), 6: (3072, 2048), 7: (2048, 2048),
+              8: (2048, 2048)}
+SPLIT_MODES = {7: (3, -1), 8: (2, 0)}   # varlen split mode -> (mode of the other batches, band batch: last/first)
+BAND_MODE = 4
+
+
+# ------------------------------------------------------------------------------------------ geometry
+@dataclass(frozen=True)
+class VarlenGeometry:
+    """TND sizes: T1/T2 rows, N1/N2 heads, D/Dv head dims and the active batches' cumulative ends."""
+
+    t1: int
+    t2: int
+    n1: int
+    n2: int
+    d: int
+    dv: int
+    cum_q: tuple[int, ...]
+    cum_kv: tuple[int, ...]
+
+    @property
+    def batch_count(self) -> int:
+        return len(self.cum_q)
+
+    def rows(self, b: int) -> tuple[int, int, int, int]:
+        """``(q0, q1, k0, k1)``: the query and key rows of batch b."""
+        q0 = self.cum_q[b - 1] if b else 0
+        k0 = self.cum_kv[b - 1] if b else 0
+        return q0, self.cum_q[b], k0, self.cum_kv[b]
+
+    def lengths(self, b: int) -> tuple[int, int]:
+        q0, q1, k0, k1 = self.rows(b)
+        return q1 - q0, k1 - k0
+
+    def batch_geometry(self, b: int) -> Geometry:
+        """Batch b as a one-batch BNSD problem of the core."""
+        sq, skv = self.lengths(b)
+        return Geometry("BNSD", 1, self.n1, self.n2, sq, skv, self.d, self.dv)
+
+    @property
+    def max_lengths(self) -> tuple[int, int]:
+        lens = [self.lengths(b) for b in range(self.batch_count)]
+        return max((q for q, _ in lens), default=0), max((k for _, k in lens), default=0)
+
+    @cached_property
+    def _score_starts(self) -> list[int]:
+        return [0, *itertools.accumulate(self.n1 * math.prod(self.lengths(b)) for b in range(self.batch_count))]
+
+    def score_offset(self, b: int) -> int:
+        """Flat index of batch b's first score in the concatenated [N1, Sq_b, Skv_b] blocks (b = B: the total)."""
+        return self._score_starts[b]
+
+    @property
+    def stats_shape(self) -> tuple[int, int, int]:
+        return (self.t1, self.n1, STATS_COPIES)
+
+
+def _check_input_layout(op: str, input_layout) -> None:
+    """The varlen operators take inputLayout "TND" only (spec 11.2 step 1)."""
+    if input_layout is None:
+        raise AclnnError(ACLNN_ERR_PARAM_NULLPTR, f"{op}: inputLayout must not be null (None)", "inputLayout")
+    check_choice(op, "inputLayout", input_layout, ("TND",))
+
+
+def _check_softmax_layout(op: str, softmax_layout) -> str:
+    softmax_layout = "" if softmax_layout is None else softmax_layout
+    check_choice(op, "softmaxLayout", softmax_layout, SOFTMAX_LAYOUTS)
+    return softmax_layout
+
+
+def _seq_list(op: str, name: str, values) -> list[int]:
+    if values is None:
+        raise AclnnError(ACLNN_ERR_PARAM_NULLPTR, f"{op}: {name} must not be null (None) for inputLayout TND", name)
+    values = _int_list(op, name, values)
+    if not values:
+        raise invalid(op, name, "must not be empty for inputLayout TND", values)
+    return values
+
+
+def _check_cumulative(op: str, name: str, cum: list[int]) -> None:
+    previous = 0
+    for i, value in enumerate(cum):
+        if value < previous:
+            raise invalid(op, name, f"must be cumulative lengths: non-negative and non-decreasing (entry {i} is "
+                                    f"{value} < {previous})", cum)
+        previous = value
+
+
+def _check_seq_lens(op: str, t1: int, t2: int, actual_seq_qlen, actual_seq_kvlen,
+                    cann_limits: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Spec 8 / 11.2 step 7: equal counts, cumulative, totals within T, tail rule. Returns the active ends.
+
+    Trailing entries where both arrays are 0 disable their batches (stripped). T1 >= sum Sq_b and
+    T2 >= sum Skv_b; when BOTH exceed their totals the last entries of both arrays must be 0.
+    """
+    q = _seq_list(op, "actualSeqQLen", actual_seq_qlen)
+    kv = _seq_list(op, "actualSeqKvLen", actual_seq_kvlen)
+    if len(kv) != len(q):
+        raise invalid(op, "actualSeqKvLen", f"must have as many entries as actualSeqQLen ({len(q)})", len(kv))
+    if cann_limits:
+        check_range(op, "actualSeqQLen length (batch count)", len(q), 1, CANN_MAX_BATCHES)
+    active = len(q)
+    while active and q[active - 1] == 0 and kv[active - 1] == 0:
+        active -= 1
+    _check_cumulative(op, "actualSeqQLen", q[:active])
+    _check_cumulative(op, "actualSeqKvLen", kv[:active])
+    total_q, total_kv = (q[active - 1], kv[active - 1]) if active else (0, 0)
+    if t1 < total_q:
+        raise invalid(op, "query", f"T axis cannot be less than the total query length {total_q}", t1)
+    if t2 < total_kv:
+        raise invalid(op, "key", f"T axis cannot be less than the total key/value length {total_kv}", t2)
+    if t1 > total_q and t2 > total_kv and (q[-1] != 0 or kv[-1] != 0):
+        raise invalid(op, "actualSeqQLen", f"and actualSeqKvLen must end with 0 when both T axes ({t1}, {t2}) "
+                                           f"exceed the totals ({total_q}, {total_kv})", (q[-1], kv[-1]))
+    return tuple(q[:active]), tuple(kv[:active])
+
+
+def _check_tnd_inputs(op: str, head_num: int, query, key, value, actual_seq_qlen, actual_seq_kvlen, dy=None,
+                      attention_in=None, cann_limits: bool = False) -> VarlenGeometry:
+    """dtype, rank 3, shape agreement and head geometry (the core's rules on TND seen as BSND with B = 1),
+    then the sequence lengths."""
+    check_dtype(op, "query", query, FLOAT_DTYPES)
+    for name, t in (("key", key), ("value", value), ("dy", dy)):
+        if t is not None:
+            check_same_dtype(op, name, t, "query", query)
+    for name, t in (("query", query), ("key", key), ("value", value), ("dy", dy), ("attentionIn", attention_in)):
+        if t is not None:
+            check_rank(op, name, t, (3,))
+    _check_same_but_last(op, "value", value, "key", key)
+    if dy is not None:
+        _check_same_but_last(op, "dy", dy, "query", query)
+    base = _geometry(op, "BSND", head_num, query[None], key[None], value[None])
+    if dy is not None:
+        check_shape(op, "dy", dy, (query.shape[0], base.n1, base.dv), "query's shape with D = Dv")
+    if attention_in is not None:
+        check_same_dtype(op, "attentionIn", attention_in, "query", query)
+        check_shape(op, "attentionIn", attention_in, dy.shape, "must equal dy's shape")
+    if cann_limits:
+        _check_cann_sizes(op, base)
+    cum_q, cum_kv = _check_seq_lens(op, query.shape[0], key.shape[0], actual_seq_qlen, actual_seq_kvlen,
+                                    cann_limits)
+    return VarlenGeometry(query.shape[0], key.shape[0], base.n1, base.n2, base.d, base.dv, cum_q, cum_kv)
+
+
+def _check_stats(op: str, name: str, t: torch.Tensor, geo: VarlenGeometry) -> None:
+    check_dtype(op, name, t, (torch.float32,))
+    check_shape(op, name, t, geo.stats_shape, "[T1, N1, 8]")
+
+
+# ----------------------------------------------------------------------------- per-batch plan inputs
+def _check_sparse_mode(op: str, sparse_mode) -> int:
+    """TND sparse modes: 0~8 except 5 (spec 1.5; prefix mode 5 has no TND form)."""
+    sparse_mode = check_int(op, "sparseMode", sparse_mode)
+    check_range(op, "sparseMode", sparse_mode, 0, 8)
+    if sparse_mode == 5:
+        raise invalid(op, "sparseMode", "5 (uncompressed prefix) is not supported with inputLayout TND",
+                      sparse_mode)
+    return sparse_mode
+
+
+def _check_tnd_mask(op: str, mask: torch.Tensor, geo: VarlenGeometry, sparse_mode: int) -> torch.Tensor:
+    """TND attenMask: the SS form ``[maxSq, maxSkv]`` (modes 0/1) or the compressed ``[2048, 2048]``
+    (``[3072, 2048]`` for mode 6), 2-D or ``[1, 1, ., .]`` (spec 3.1). Returns it as a [1, 1, ., .] view."""
+    check_dtype(op, "attenMask", mask, MASK_DTYPES)
+    check_rank(op, "attenMask", mask, (2, 4))
+    expected = COMPRESSED.get(sparse_mode, geo.max_lengths)
+    if tuple(mask.shape[-2:]) != expected or (mask.dim() == 4 and tuple(mask.shape[:2]) != (1, 1)):
+        raise invalid(op, "attenMask", f"must be {list(expected)} or [1, 1, {expected[0]}, {expected[1]}] for "
+                                       f"sparseMode {sparse_mode} with inputLayout TND", list(mask.shape))
+    return mask[None, None] if mask.dim() == 2 else mask
+
+
+def _batch_mask(mask, geo: VarlenGeometry, b: int, sparse_mode: int):
+    """Modes 0/1: the top-left [Sq_b, Skv_b] block of the SS mask; compressed modes: the mask itself."""
+    if mask is None or sparse_mode in COMPRESSED:
+        return mask
+    sq, skv = geo.lengths(b)
+    return mask[..., :sq, :skv]
+
+
+def _band_batch(geo: VarlenGeometry, sparse_mode: int) -> int | None:
+    """Modes 7/8: the last (7) / first (8) batch with Sq_b != 0."""
+    nonempty = [b for b in range(geo.batch_count) if geo.lengths(b)[0]]
+    return nonempty[SPLIT_MODES[sparse_mode][1]] if nonempty and sparse_mode in SPLIT_MODES else None
+
+
+def _batch_mode(b: int, sparse_mode: int, band_batch: int | None, has_mask: bool) -> int:
+    """Mode 7 (8): the band batch is a right-down band (mode 4), the others right-down (left-up) causal
+    (modes 3 / 2). Without attenMask every mode means full attention (spec 3.1), as mode 0."""
+    if sparse_mode not in SPLIT_MODES:
+        return sparse_mode
+    if not has_mask:
+        return 0
+    return BAND_MODE if b == band_batch else SPLIT_MODES[sparse_mode][0]
+
+
+def _check_tnd_pse(op: str, pse: torch.Tensor, geo: VarlenGeometry, pse_type: int, sparse_mode: int,
+                   start_shift: int) -> None:
+    """TND pse forms (spec 4.3-4.5). pseType 0/1: 1-D ``[N1 * sum Skv_b]`` (per batch [N1, Skv_b], rows
+    broadcast), 1-D ``[N1 * sum Sq_b Skv_b]`` (per batch [N1, Sq_b, Skv_b]) or the alibi-compressed
+    ``[B|1, N1, 1024, maxSkv]`` (needs Sq_b == Skv_b); pseType 2/3: slopes ``[N1]`` / ``[B, N1]``. Not with
+    sparse mode 7 nor a zero-length query batch; mode 8 with slopes needs ``actualSeqQLen[0] -
+    actualSeqKvLen[0] + qStartIdx - kvStartIdx == 0`` (``start_shift``: the last two)."""
+    if sparse_mode == 7:
+        raise invalid(op, "pse", "is not supported with sparseMode 7", list(pse.shape))
+    lengths = [geo.lengths(b) for b in range(geo.batch_count)]
+    if any(sq == 0 for sq, _ in lengths):
+        raise invalid(op, "pse", "is not supported when a batch has query length 0", list(pse.shape))
+    if pse_type in (2, 3):
+        allowed = [(geo.n1,), (geo.batch_count, geo.n1)]
+        if sparse_mode == 8 and lengths and lengths[0][0] - lengths[0][1] + start_shift != 0:
+            raise invalid(op, "qStartIdx", "sparseMode 8 with a generated alibi needs actualSeqQLen[0] - "
+                          "actualSeqKvLen[0] + qStartIdx - kvStartIdx == 0", start_shift)
+    else:
+        max_skv = geo.max_lengths[1]
+        allowed = [(geo.n1 * geo.cum_kv[-1],) if lengths else (0,), (geo.score_offset(geo.batch_count),),
+                   (1, geo.n1, ALIBI_ROWS, max_skv), (geo.batch_count, geo.n1, ALIBI_ROWS, max_skv)]
+        if pse.dim() == 4 and any(sq != skv for sq, skv in lengths):
+            raise invalid(op, "pse", "the alibi-compressed form needs Sq_b == Skv_b in every batch", lengths)
+    if tuple(pse.shape) not in allowed:
+        raise invalid(op, "pse", f"shape must be one of {[list(s) for s in allowed]} for pseType {pse_type} "
+                                 f"with inputLayout TND", list(pse.shape))
+
+
+def _batch_pse(pse: torch.Tensor, geo: VarlenGeometry, b: int, pse_type: int) -> torch.Tensor:
+    """Batch b's pse in the core's form: slopes ``[N1]`` / ``[1, N1]``; ``[1, N1, Sq_b, Skv_b]`` /
+    ``[1, N1, 1, Skv_b]`` cut from the 1-D forms (BNSS first when both sizes coincide); from the compressed
+    alibi the bottom-right window (rows 1024 - Sq_b.., columns maxSkv - Skv_b..) as a BNSS block, or for
+    Sq_b > 1024 its last Skv_b columns as the core's compressed form."""
+    if pse_type in (2, 3):
+        return pse if pse.dim() == 1 else pse[b:b + 1]
+    q0, q1, k0, k1 = geo.rows(b)
+    sq, skv = q1 - q0, k1 - k0
+    if pse.dim() == 4:
+        window = (pse[b:b + 1] if pse.shape[0] > 1 else pse)[..., pse.shape[3] - skv:]
+        return window[:, :, ALIBI_ROWS - sq:] if sq <= ALIBI_ROWS else window
+    if pse.shape[0] == geo.score_offset(geo.batch_count):
+        start = geo.score_offset(b)
+        return pse[start:start + geo.n1 * sq * skv].view(1, geo.n1, sq, skv)
+    return pse[geo.n1 * k0:geo.n1 * k1].view(1, geo.n1, 1, skv)
+
+
+def _check_tnd_drop_mask(op: str, drop_mask, geo: VarlenGeometry) -> None:
+    """keepProb < 1 needs a UINT8 bit mask of at least ceil(N1 * sum Sq_b Skv_b / 8) bytes (spec 7.2)."""
+    require_tensor(op, "dropMask", drop_mask)
+    check_dtype(op, "dropMask", drop_mask, (torch.uint8,))
+    need = math.ceil(geo.score_offset(geo.batch_count) / 8)
+    if drop_mask.numel() < need:
+        raise invalid(op, "dropMask", f"must hold at least ceil(N1 * sum Sq_b*Skv_b / 8) = {need} bytes",
+                      drop_mask.numel())
+
+
+def _batch_drop_mask(drop_mask: torch.Tensor, geo: VarlenGeometry, b: int) -> torch.Tensor:
+    """Batch b's bits (LSB first, starting at bit N1 * sum_{b'<b} Sq_b' Skv_b') repacked from bit 0."""
+    start = geo.score_offset(b)
+    count = geo.score_offset(b + 1) - start
+    packed = drop_mask.reshape(-1)[start // 8: math.ceil((start + count) / 8)].numpy()
+    bits = np.unpackbits(packed, bitorder="little")[start % 8: start % 8 + count]
+    return torch.from_numpy(np.packbits(bits, bitorder="little"))
+
+
+def _resolve_plans(op: str, geo: VarlenGeometry, dtype: torch.dtype, *, scale_value, keep_prob, pre_tokens,
+                   next_tokens, inner_precise, sparse_mode, pse_type, atten_mask, pse, drop_mask, prefix,
+                   q_start_idx, kv_start_idx) -> list[AttentionPlan]:
+    """The TND rules, then the core's ``resolve_plan`` once per batch on that batch's own geometry and
+    slices. With no active batch, one empty batch validates the attributes."""
+    sparse_mode = _check_sparse_mode(op, sparse_mode)
+    pse_type = check_int(op, "pseType", pse_type)
+    check_range(op, "pseType", pse_type, 0, 3)
+    keep_prob = check_float(op, "keepProb", keep_prob)
+    mask = None
+    if not _absent(atten_mask):
+        mask = _check_tnd_mask(op, require_tensor(op, "attenMask", atten_mask), geo, sparse_mode)
+    if not _absent(pse):
+        starts = [(_int_list(op, n, v) or [0])[0] for n, v in (("qStartIdx", q_start_idx), ("kvStartIdx",
+                                                                                            kv_start_idx))]
+        _check_tnd_pse(op, require_tensor(op, "pse", pse), geo, pse_type, sparse_mode, starts[0] - starts[1])
+    dropout = keep_prob < 1.0
+    if dropout:
+        _check_tnd_drop_mask(op, drop_mask, geo)
+    prefix = _int_list(op, "prefix", prefix)
+    if prefix is not None and mask is not None and sparse_mode == 6 and len(prefix) < geo.batch_count:
+        raise invalid(op, "prefix", f"must have an entry per batch ({geo.batch_count}) for sparseMode 6",
+                      len(prefix))
+    if geo.batch_count == 0:
+        geo = VarlenGeometry(geo.t1, geo.t2, geo.n1, geo.n2, geo.d, geo.dv, (0,), (0,))
+    band_batch = _band_batch(geo, sparse_mode)
+    return [resolve_plan(op, geo.batch_geometry(b), dtype, scale_value=scale_value, keep_prob=keep_prob,
+                         pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise,
+                         sparse_mode=_batch_mode(b, sparse_mode, band_batch, mask is not None),
+                         pse_type=pse_type,
+                         atten_mask=_batch_mask(mask, geo, b, sparse_mode),
+                         pse=None if _absent(pse) else _batch_pse(pse, geo, b, pse_type),
+                         drop_mask=_batch_drop_mask(drop_mask, geo, b) if dropout else drop_mask,
+                         prefix=None if prefix is None or b >= len(prefix) else [prefix[b]],
+                         q_start_idx=q_start_idx, kv_start_idx=kv_start_idx)
+            for b in range(geo.batch_count)]
+
+
+# ------------------------------------------------------------------------------------------ problem
+def _bnsd(t: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows [r0, r1) of a TND tensor as a contiguous [1, N, S, D] tensor. The zero-copy view
+    (``t[r0:r1].permute(1, 0, 2)``) runs through the kernels about 2x slower than this O(S*N*D) copy
+    (measured: Sq = Skv = 512, N 8, D 128, bf16, causal forward: 102 ms as a view, 47 ms contiguous)."""
+    return t[r0:r1].permute(1, 0, 2).unsqueeze(0).contiguous()
+
+
+def _batch_stats(stats: torch.Tensor, layout: str, n1: int, q0: int, q1: int) -> torch.Tensor:
+    """Batch b's [1, N1, Sq_b] statistics from a contiguous [T1, N1] (element 0) in ``layout`` order."""
+    if layout == "TND":
+        return stats[q0:q1].T.unsqueeze(0)
+    return stats.view(-1)[q0 * n1:q1 * n1].view(1, n1, q1 - q0)
+
+
+def _pack_stats(stats: torch.Tensor, layout: str, geo: VarlenGeometry) -> torch.Tensor:
+    """[T1, N1] float32 in true TND order -> [T1, N1, 8] in ``layout`` order (rows beyond the totals 0)."""
+    if layout == "":
+        flat = torch.zeros(geo.t1 * geo.n1, dtype=torch.float32)
+        for b in range(geo.batch_count):
+            q0, q1, _, _ = geo.rows(b)
+            flat[q0 * geo.n1:q1 * geo.n1] = stats[q0:q1].T.reshape(-1)
+        stats = flat.view(geo.t1, geo.n1)
+    return stats8(stats)
+
+
+@dataclass
+class VarlenProblem:
+    """Validated TND input: packed tensors, the geometry, one plan per batch, and (grad) the saved forward
+    results: ``softmax_max`` / ``softmax_sum`` contiguous [T1, N1] (element 0 of the 8 copies) in
+    ``softmax_layout`` order."""
+
+    geo: VarlenGeometry
+    plans: list[AttentionPlan]
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    dy: torch.Tensor | None = None
+    out: torch.Tensor | None = None
+    softmax_max: torch.Tensor | None = None
+    softmax_sum: torch.Tensor | None = None
+    softmax_layout: str = ""
+    pse: torch.Tensor | None = None            # the TND float pse (pseType 0/1), for dpse
+
+    def batch(self, b: int) -> Problem:
+        """Batch b as the core's BNSD problem (views; stats [1, N1, Sq_b])."""
+        q0, q1, k0, k1 = self.geo.rows(b)
+        p = Problem(self.geo.batch_geometry(b), self.plans[b], _bnsd(self.query, q0, q1),
+                    _bnsd(self.key, k0, k1), _bnsd(self.value, k0, k1))
+        if self.dy is not None:
+            p.dy = _bnsd(self.dy, q0, q1)
+        if self.out is not None:
+            p.out = _bnsd(self.out, q0, q1)
+            p.softmax_max = _batch_stats(self.softmax_max, self.softmax_layout, self.geo.n1, q0, q1)
+            p.softmax_sum = _batch_stats(self.softmax_sum, self.softmax_layout, self.geo.n1, q0, q1)
+        return p
+
+
+# ------------------------------------------------------------------------------------------- checks
+def check_forward(query, key, value, head_num, input_layout, *, actual_seq_qlen=None, actual_seq_kvlen=None,
+                  pse=None, drop_mask=None, atten_mask=None, prefix=None, q_start_idx=None, kv_start_idx=None,
+                  scale_value=1.0, keep_prob=1.0, pre_tokens=UNBOUNDED_TOKENS, next_tokens=UNBOUNDED_TOKENS,
+                  inner_precise=0, sparse_mode=0, pse_type=1, softmax_layout="", softmax_max_out=None,
+                  softmax_sum_out=None, attention_out=None, cann_limits=False) -> VarlenProblem:
+    """Validate FlashAttentionVarLenScore (TND) in CANN's order; ``*_out``: the aclnn outputs."""
+    op = FORWARD
+    _check_input_layout(op, input_layout)
+    query, key, value = (require_tensor(op, n, t) for n, t in (("query", query), ("key", key), ("value", value)))
+    if cann_limits:
+        for name, t in (("softmaxMaxOut", softmax_max_out), ("softmaxSumOut", softmax_sum_out),
+                        ("attentionOutOut", attention_out)):
+            require_tensor(op, name, t)
+    head_num = _check_head_num(op, head_num)
+    softmax_layout = _check_softmax_layout(op, softmax_layout)
+    geo = _check_tnd_inputs(op, head_num, query, key, value, actual_seq_qlen, actual_seq_kvlen,
+                            cann_limits=cann_limits)
+    if cann_limits:
+        for name, t in (("softmaxMaxOut", softmax_max_out), ("softmaxSumOut", softmax_sum_out)):
+            _check_output(op, name, t, geo.stats_shape, torch.float32)
+        _check_output(op, "attentionOutOut", attention_out, (geo.t1, geo.n1, geo.dv), query.dtype)
+    plans = _resolve_plans(op, geo, query.dtype, scale_value=scale_value, keep_prob=keep_prob,
+                           pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise,
+                           sparse_mode=sparse_mode, pse_type=pse_type, atten_mask=atten_mask, pse=pse,
+                           drop_mask=drop_mask, prefix=prefix, q_start_idx=q_start_idx, kv_start_idx=kv_start_idx)
+    return VarlenProblem(geo, plans, query, key, value, softmax_layout=softmax_layout,
+                         pse=pse if has_float_pse(plans[0]) else None)
+
+
+def check_backward(query, key, value, dy, head_num, input_layout, *, actual_seq_qlen=None, actual_seq_kvlen=None,
+                   pse=None, drop_mask=None, atten_mask=None, softmax_max=None, softmax_sum=None,
+                   attention_in=None, prefix=None, q_start_idx=None, kv_start_idx=None, scale_value=1.0,
+                   keep_prob=1.0, pre_tokens=UNBOUNDED_TOKENS, next_tokens=UNBOUNDED_TOKENS, inner_precise=0,
+                   sparse_mode=0, pse_type=1, softmax_layout="", dq_out=None, dk_out=None, dv_out=None,
+                   cann_limits=False) -> VarlenProblem | None:
+    """Validate FlashAttentionUnpaddingScoreGrad (TND) in CANN's order (spec 11.2, 11.3).
+
+    Torch layer: softmax_max, softmax_sum and attention_in all None -> recomputed per batch; some -> 161001.
+    With ``cann_limits`` they and dq/dk/dv are required, and None is returned when dq/dk/dv are all empty.
+    """
+    op = BACKWARD
+    _check_input_layout(op, input_layout)
+    query, key, value, dy = (require_tensor(op, n, t) for n, t in
+                             (("query", query), ("key", key), ("value", value), ("dy", dy)))
+    saved = _check_saved(op, softmax_max, softmax_sum, attention_in, cann_limits)
+    if cann_limits:
+        outs = [require_tensor(op, n, t) for n, t in (("dqOut", dq_out), ("dkOut", dk_out), ("dvOut", dv_out))]
+        if all(t.numel() == 0 for t in outs):
+            return None
+    head_num = _check_head_num(op, head_num)
+    softmax_layout = _check_softmax_layout(op, softmax_layout)
+    geo = _check_tnd_inputs(op, head_num, query, key, value, actual_seq_qlen, actual_seq_kvlen, dy,
+                            attention_in, cann_limits)
+    if cann_limits:
+        for name, t, ref in (("dqOut", dq_out, query), ("dkOut", dk_out, key), ("dvOut", dv_out, value)):
+            _check_output(op, name, t, ref.shape, ref.dtype)
+    plans = _resolve_plans(op, geo, query.dtype, scale_value=scale_value, keep_prob=keep_prob,
+                           pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise,
+                           sparse_mode=sparse_mode, pse_type=pse_type, atten_mask=atten_mask, pse=pse,
+                           drop_mask=drop_mask, prefix=prefix, q_start_idx=q_start_idx, kv_start_idx=kv_start_idx)
+    problem = VarlenProblem(geo, plans, query, key, value, dy, softmax_layout=softmax_layout,
+                            pse=pse if has_float_pse(plans[0]) else None)
+    if saved:
+        _check_stats(op, "softmaxMax", softmax_max, geo)
+        _check_stats(op, "softmaxSum", softmax_sum, geo)
+        problem.out = attention_in
+        problem.softmax_max = softmax_max[..., 0].contiguous()
+        problem.softmax_sum = softmax_sum[..., 0].contiguous()
+    return problem
+
+
+# ------------------------------------------------------------------------------------------ kernels
+def forward_packed(p: VarlenProblem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-batch forward: ``(out [T1, N1, Dv], softmax_max [T1, N1], softmax_sum [T1, N1])`` in true TND
+    order; rows beyond the totals are 0."""
+    geo = p.geo
+    out = torch.zeros(geo.t1, geo.n1, geo.dv, dtype=p.query.dtype)
+    smax = torch.zeros(geo.t1, geo.n1, dtype=torch.float32)
+    ssum = torch.zeros(geo.t1, geo.n1, dtype=torch.float32)
+    for b in range(geo.batch_count):
+        q0, q1, _, _ = geo.rows(b)
+        if q1 == q0:
+            continue
+        o, m, s = forward_kernel(p.batch(b))
+        out[q0:q1] = o[0].permute(1, 0, 2)
+        smax[q0:q1] = m[0].T
+        ssum[q0:q1] = s[0].T
+    return out, smax, ssum
+
+
+def run_forward(p: VarlenProblem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(attention_out [T1, N1, Dv], softmax_max, softmax_sum [T1, N1, 8] in p.softmax_layout order)``."""
+    out, smax, ssum = forward_packed(p)
+    return out, _pack_stats(smax, p.softmax_layout, p.geo), _pack_stats(ssum, p.softmax_layout, p.geo)
+
+
+def run_backward(p: VarlenProblem) -> tuple:
+    """Per-batch grad (recomputing out and stats per batch when absent): ``(dq, dk, dv, dpse)`` shaped like
+    query, key, value (rows beyond the totals, and keys of batches without queries, get 0) and, for a float
+    pse (pseType 0/1), dpse in the pse's TND form (batch b's gradient added at the place it was read from,
+    so a shared compressed alibi sums its batches); else dpse is None."""
+    geo = p.geo
+    grads = tuple(torch.zeros(t.shape, dtype=p.query.dtype) for t in (p.query, p.key, p.value))
+    dpse = None if p.pse is None else torch.zeros(p.pse.shape, dtype=p.pse.dtype)
+    for b in range(geo.batch_count):
+        q0, q1, k0, k1 = geo.rows(b)
+        if q1 == q0 or k1 == k0:
+            continue
+        *batch_grads, batch_dpse = backward_kernel(p.batch(b), with_dpse=dpse is not None)
+        for grad, g, (r0, r1) in zip(grads, batch_grads, ((q0, q1), (k0, k1), (k0, k1))):
+            grad[r0:r1] = g[0].permute(1, 0, 2)
+        if dpse is not None:
+            _batch_pse(dpse, geo, b, p.plans[b].pse_type).add_(batch_dpse)
+    return (*grads, dpse)
+
+
+# -------------------------------------------------------------------------------------------- torch
+class _VarlenFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, problem):
+        out, smax, ssum = forward_packed(problem)
+        ctx.save_for_backward(query, key, value, out, smax, ssum)
+        ctx.geo, ctx.plans, ctx.pse = problem.geo, problem.plans, problem.pse
+        m8 = _pack_stats(smax, problem.softmax_layout, problem.geo)
+        s8 = _pack_stats(ssum, problem.softmax_layout, problem.geo)
+        ctx.mark_non_differentiable(m8, s8)
+        return out, m8, s8
+
+    @staticmethod
+    def backward(ctx, d_out, _d_max, _d_sum):
+        query, key, value, out, smax, ssum = ctx.saved_tensors
+        dy = d_out if d_out.dtype == query.dtype else d_out.to(query.dtype)
+        problem = VarlenProblem(ctx.geo, ctx.plans, query, key, value, dy, out, smax, ssum, "TND", ctx.pse)
+        dq, dk, dv, _ = run_backward(problem)
+        return dq, dk, dv, None
+
+
+def flash_attention_score(query, key, value, head_num, input_layout="TND", *, actual_seq_qlen=None,
+                          actual_seq_kvlen=None, pse=None, drop_mask=None, padding_mask=None, atten_mask=None,
+                          prefix=None, q_start_idx=None, kv_start_idx=None, scale_value=1.0, keep_prob=1.0,
+                          pre_tokens=UNBOUNDED_TOKENS, next_tokens=UNBOUNDED_TOKENS, inner_precise=0,
+                          sparse_mode=0, pse_type=1, softmax_layout=""):
+    """FlashAttentionScore in TND -> ``(attention_out [T1,N1,Dv], softmax_max, softmax_sum [T1,N1,8])``.
+
+    query ``[T1,N1,D]``, key ``[T2,N2,D]``, value ``[T2,N2,Dv]`` (float32/float16/bfloat16), cumulative
+    ``actual_seq_qlen`` / ``actual_seq_kvlen``. Differentiable w.r.t. query, key, value. ``padding_mask`` is
+    reserved (unused, as in CANN).
+    """
+    p = check_forward(query, key, value, head_num, input_layout, actual_seq_qlen=actual_seq_qlen,
+                      actual_seq_kvlen=actual_seq_kvlen, pse=pse, drop_mask=drop_mask, atten_mask=atten_mask,
+                      prefix=prefix, q_start_idx=q_start_idx, kv_start_idx=kv_start_idx, scale_value=scale_value,
+                      keep_prob=keep_prob, pre_tokens=pre_tokens, next_tokens=next_tokens,
+                      inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type,
+                      softmax_layout=softmax_layout)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        return _VarlenFunction.apply(query, key, value, p)
+    return run_forward(p)
+
+
+def flash_attention_score_grad(query, key, value, dy, head_num, input_layout="TND", *, actual_seq_qlen=None,
+                               actual_seq_kvlen=None, pse=None, drop_mask=None, padding_mask=None,
+                               atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
+                               attention_in=None, prefix=None, q_start_idx=None, kv_start_idx=None,
+                               scale_value=1.0, keep_prob=1.0, pre_tokens=UNBOUNDED_TOKENS,
+                               next_tokens=UNBOUNDED_TOKENS, inner_precise=0, sparse_mode=0, pse_type=1,
+                               softmax_layout=""):
+    """FlashAttentionUnpaddingScoreGrad (TND) -> ``(dq, dk, dv, dpse)`` shaped like query, key, value.
+
+    dy / attention_in ``[T1,N1,Dv]``; softmax_max / softmax_sum float32 ``[T1,N1,8]`` in ``softmax_layout``
+    order, used as given; all three None -> recomputed per batch (attngrad extension). ``dpse``: for a
+    float pse (pseType 0/1) its gradient in the pse's TND form (attngrad extension), else None.
+    """
+    p = check_backward(query, key, value, dy, head_num, input_layout, actual_seq_qlen=actual_seq_qlen,
+                       actual_seq_kvlen=actual_seq_kvlen, pse=pse, drop_mask=drop_mask, atten_mask=atten_mask,
+                       softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=attention_in, prefix=prefix,
+                       q_start_idx=q_start_idx, kv_start_idx=kv_start_idx, scale_value=scale_value,
+                       keep_prob=keep_prob, pre_tokens=pre_tokens, next_tokens=next_tokens,
+                       inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type,
+                       softmax_layout=softmax_layout)
+    return run_backward(p)
