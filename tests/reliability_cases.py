@@ -35,7 +35,7 @@ from attngrad.kernels.flash_attention_reference import (flash_attention_backward
 from attngrad.kernels.scaled_masked_softmax_reference import (scaled_masked_softmax_backward_reference,
                                                                scaled_masked_softmax_reference)
 from attngrad.ops.flash_attention import from_bnsd, to_bnsd
-from attngrad.precision import assert_close
+from attngrad.precision import NORM_REL_TOL, assert_close, compare
 
 NULL, INVALID, SUCCESS = aclnn.ACLNN_ERR_PARAM_NULLPTR, aclnn.ACLNN_ERR_PARAM_INVALID, aclnn.ACLNN_SUCCESS
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -123,12 +123,11 @@ def _like(t: torch.Tensor, shape, rng) -> torch.Tensor:
 
 def _noncontig(t: torch.Tensor, rng) -> torch.Tensor:
     """Same shape and values, non-contiguous strides (every element still distinct in memory)."""
-    if t.dim() >= 2 and rng.random() < 0.5:
-        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
-    last = t.shape[-1] if t.dim() else 1
-    wide = torch.zeros(*t.shape[:-1], 2 * last, dtype=t.dtype) if t.dim() else torch.zeros(2, dtype=t.dtype)
     if not t.dim():
         return t.clone()
+    if t.dim() >= 2 and rng.random() < 0.5:
+        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
+    wide = torch.zeros(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype)
     wide[..., ::2] = t
     return wide[..., ::2]
 
@@ -529,10 +528,20 @@ def fa_grad_check(a, res):
         m, s = a["softmax_max"].detach()[..., 0], a["softmax_sum"].detach()[..., 0]
     round_to = None if dtype == torch.float32 else dtype
     golden = flash_attention_backward_reference(q, k, v, dy, out, m.float(), s.float(), plan, round_to)
+    # dS = P (dP - Dr) cancels exactly when a row attends one key (Skv = 1): the golden is ~0 there and the
+    # kernel's fp32 rounding of dP - Dr is all that is left; judge it against the size of the terms.
+    floor = NORM_REL_TOL[dtype] * abs(plan.scale) * float(dy.double().norm()) * _amax(v) * max(_amax(q), _amax(k))
     for name, ref, want in zip(("dq", "dk", "dv"), (a["query"], a["key"], a["value"]), golden):
-        got = res[name]
+        got = res[name].detach()
         assert got.shape == ref.shape and got.dtype == dtype, name
-        assert_close(got.detach(), from_bnsd(want, layout), dtype)
+        want = from_bnsd(want, layout)
+        report = compare(got, want, dtype)
+        err = float((got.double() - want).nan_to_num(0.0).norm())
+        assert report.passed or (report.special_ok and err <= floor), f"{name}: {report}, |err| {err} > {floor}"
+
+
+def _amax(t: torch.Tensor) -> float:
+    return float(t.detach().double().abs().amax()) if t.numel() else 0.0
 
 
 def _npu_fwd_kw(a: dict, v2: bool) -> dict:
@@ -657,9 +666,8 @@ def _stats_shape(a):
 
 
 def _out_shape(a):
-    q = a["query"]
     g = _geo_of(a)
-    return from_bnsd(torch.empty(g["b"], g["n1"], g["sq"], g["dv"]), a["input_layout"]).shape if q.dim() else ()
+    return from_bnsd(torch.empty(g["b"], g["n1"], g["sq"], g["dv"]), a["input_layout"]).shape
 
 
 NO_NPU_V1 = ("torch", "npu_v2", "aclnn", "aclnn_v1")
@@ -814,9 +822,10 @@ def single_mutation_cases(op_name: str, kinds: tuple, layers: tuple) -> list:
 
 
 def malformed_family_child(op_name: str, max_examples: int, seed_value: int) -> None:
-    """Child-process entry point (tests/crashproof.py): the exhaustive single mutations of the operator's
-    tensors and one generated family, then a marker on stdout."""
-    for case in single_mutation_cases(op_name, ("data", "mask", "stats", "out", "opt"), ALL):
+    """Child-process entry point (tests/crashproof.py): every single tensor mutation on the entry points the
+    in-process sweep leaves out (npu names, aclnn V1) and one generated family, then a marker on stdout."""
+    for case in single_mutation_cases(op_name, ("data", "mask", "stats", "out", "opt"), ("npu", "npu_v2",
+                                                                                         "aclnn_v1")):
         run_case(case)
     malformed_family(op_name, max_examples, seed_value)
     print(f"family {op_name} ok")

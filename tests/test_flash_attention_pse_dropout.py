@@ -10,7 +10,7 @@ import attngrad
 from attngrad import AclnnError, npu
 from attngrad.kernels.dropout import generate_drop_mask
 from attngrad.kernels.flash_attention import flash_attention_backward, flash_attention_forward
-from attngrad.kernels.flash_attention_plan import AttentionPlan
+from attngrad.kernels.flash_attention_plan import alibi_source
 from attngrad.kernels.flash_attention_reference import (dense_pse, flash_attention_backward_reference,
                                                         flash_attention_dpse_reference,
                                                         flash_attention_forward_reference)
@@ -75,13 +75,12 @@ def test_external_pse_shapes_and_dpse(pse_type, shape, dtype):
 
 
 @pytest.mark.parametrize("pse_type", [0, 1])
-@pytest.mark.parametrize("batch_dim", [1, 2])
-def test_alibi_compressed_pse(pse_type, batch_dim):
+def test_alibi_compressed_pse(pse_type):
     """[B|1, N1, 1024, Skv] with Sq == Skv > 1024 and a causal mode: the reconstruction rule of spec 4.3."""
     s, heads = 1100, 1
     g = torch.Generator().manual_seed(0)
     q, k, v, dy = (torch.randn(1, heads, s, 8, generator=g) for _ in range(4))
-    comp = torch.randn(batch_dim if batch_dim == 1 else 1, heads, 1024, s, generator=g)
+    comp = torch.randn(1, heads, 1024, s, generator=g)
     triu = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
     plan = check_forward(q, k, v, heads, "BNSD", pse=comp, pse_type=pse_type, atten_mask=triu, sparse_mode=2,
                          scale_value=0.3).plan
@@ -93,9 +92,10 @@ def test_alibi_compressed_pse(pse_type, batch_dim):
     for got, want in zip((dq, dk, dv), flash_attention_backward_reference(q, k, v, dy, out, m, l, plan)):
         assert_close(got, want, torch.float32)
     assert_close(dpse, flash_attention_dpse_reference(q, k, v, dy, out, m, l, plan), torch.float32)
-    full = dense_pse(plan, comp, s, s)[0, 0]        # the rule reproduces a Toeplitz pse from its last rows
-    i, j = 1099 - 1024 - 5, 30
-    assert full[i, j] == comp[0, 0, 1023, j - i + s - 1]
+    full = dense_pse(plan, comp, s, s)[0, 0]        # spec 4.3, row i < Sq - 1024: comp[i % 1024, Skv-(i-j)-(1024-m)]
+    assert full[70, 30] == comp[0, 0, 70, s - 40 - (1024 - 70)] and full[80, 7] == comp[0, 0, 80 - (s - 1024), 7]
+    for i, j in ((70, 30), (80, 7), (1099, 1099), (3, 0)):
+        assert full[i, j] == comp[0, 0, alibi_source(i, j, s, s)[0], alibi_source(i, j, s, s)[1]]
 
 
 @pytest.mark.parametrize("pse_type", [2, 3])

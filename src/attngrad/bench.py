@@ -5,15 +5,32 @@ the modules in ``benchmarks/`` (installed as ``attngrad.benchmarks``). Each case
 implementations of the same computation (best of N after warm-up) and reports the ratio of each peer's
 time to attngrad's, plus GB/s or TFLOP/s against the matching roofline. Results go to the terminal
 (a rich table), a JSON file and PNG plots.
+
+Two more sections, each measured in fresh child processes so that runs do not contaminate each other:
+
+* ``first_call`` (``--first-call``; on by default except with ``--quick``): the latency of the first call
+  of every operator in a new process with an empty numba cache (``NUMBA_CACHE_DIR`` = a new temporary
+  folder: compilation included), then again in a second process with the same folder (kernels loaded
+  from the cache);
+* ``scaling`` (``--scaling``): time and peak memory of flash attention forward + grad against the
+  O(S^2)-memory math path as the sequence length grows (:mod:`attngrad.benchmarks.bench_scaling`).
+
+The process's malloc settings are left alone. Memory-bound cases rate a call writing into a preallocated
+output against the copy roofline (which does the same) and time the allocating calls alongside.
 """
 
 from __future__ import annotations
 
+import argparse
+import functools
 import importlib
 import json
-import sys
+import os
 import pkgutil
 import platform
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,10 +66,12 @@ class BenchResult:
                "speedup_vs": {k: v / self.seconds[ours] for k, v in self.seconds.items() if k != ours}}
         if c.bytes_moved:
             row["gbps"] = {k: c.bytes_moved / v / 1e9 for k, v in self.seconds.items()}
-            row["fraction_of_copy_bw"] = row["gbps"][ours] / rooflines["copy_gbps"]
+            row["fraction_of_roofline"] = {k: v / rooflines["copy_gbps"] for k, v in row["gbps"].items()}
+            row["fraction_of_copy_bw"] = row["fraction_of_roofline"][ours]
         if c.flops:
             row["tflops"] = {k: c.flops / v / 1e12 for k, v in self.seconds.items()}
-            row["fraction_of_gemm"] = row["tflops"][ours] / rooflines[f"{c.roofline}_tflops"]
+            row["fraction_of_roofline"] = {k: v / rooflines[f"{c.roofline}_tflops"] for k, v in row["tflops"].items()}
+            row["fraction_of_gemm"] = row["fraction_of_roofline"][ours]
         return row
 
 
@@ -86,19 +105,25 @@ def measure_rooflines(quick: bool) -> dict[str, float]:
             "gemm_bf16_tflops": flops / t16 / 1e12}
 
 
+@functools.lru_cache(maxsize=None)
+def _module_cases(module_name: str, quick: bool) -> tuple[BenchCase, ...]:
+    """The cases of one ``benchmarks/`` module (built once per process: inputs are large)."""
+    module = importlib.import_module(module_name)
+    return tuple(module.cases(quick=quick)) if hasattr(module, "cases") else ()
+
+
 def collect_cases(args) -> list[BenchCase]:
     import attngrad.benchmarks as package
 
     dtypes = {getattr(torch, d) for d in args.dtype} if args.dtype else None
     cases = []
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
-        if not hasattr(module, "cases"):
-            continue
-        for case in module.cases(quick=args.quick):
+        for case in _module_cases(f"{package.__name__}.{info.name}", args.quick):
             if args.op and not any(o.lower() in case.op.lower() for o in args.op):
                 continue
             if dtypes and case.dtype not in dtypes:
+                continue
+            if args.size and not any(z.lower() in case.label.lower() for z in args.size):
                 continue
             cases.append(case)
     return cases
@@ -109,12 +134,23 @@ def add_arguments(parser) -> None:
     parser.add_argument("--dtype", action="append", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats (< 2 minutes)")
     parser.add_argument("--repeat", type=int, default=None, help="timed calls per implementation")
+    parser.add_argument("--size", action="append",
+                        help="case label substring, e.g. 'S2048' or '[4, 16, 512, 1024]' (repeatable)")
     parser.add_argument("--out", default="bench-results", help="folder for the JSON file and plots")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--first-call", action=argparse.BooleanOptionalAction, default=None,
+                        help="first-call latency per operator in fresh processes, cold and cached numba cache "
+                             "(default: on, off with --quick)")
+    parser.add_argument("--scaling", action="store_true",
+                        help="flash attention time and peak memory vs sequence length (child processes)")
+    parser.add_argument("--scaling-max-s", type=int, default=32768, help="largest sequence length tried")
+    parser.add_argument("--scaling-call-limit", type=float, default=60.0,
+                        help="stop an implementation's sweep once one call would exceed this many seconds")
+    parser.add_argument("--scaling-mem-limit-gib", type=float, default=8.0,
+                        help="stop an implementation's sweep once its next peak memory would exceed this")
 
 
-def _render(results: list[BenchResult], rooflines: dict[str, float]) -> None:
-    from rich.console import Console
+def _render(results: list[BenchResult], rooflines: dict[str, float], console) -> None:
     from rich.table import Table
 
     table = Table(title="attngrad bench (times: best of N, ms; ratio = peer time / attngrad time)")
@@ -132,7 +168,6 @@ def _render(results: list[BenchResult], rooflines: dict[str, float]) -> None:
         else:
             rate = "-"
         table.add_row(r.case.op, row["dtype"], r.case.label, f"{r.seconds[ours] * 1e3:.2f}", peers, rate)
-    console = Console(width=None if sys.stdout.isatty() else 200)
     console.print(f"rooflines: copy {rooflines['copy_gbps']:.1f} GB/s, fp32 GEMM "
                   f"{rooflines['gemm_fp32_tflops']:.2f} TFLOP/s, bf16 GEMM {rooflines['gemm_bf16_tflops']:.2f} TFLOP/s")
     console.print(table)
@@ -176,29 +211,130 @@ def _plot(results: list[BenchResult], rooflines: dict[str, float], out: Path) ->
     return paths
 
 
+# --- first-call latency: one tiny float32 call per operator in a fresh interpreter ---
+_FIRST_CALL_SETUP = """
+import torch
+x = torch.randn(1, 2, 4, 16); mask = torch.rand(1, 1, 4, 16) < 0.3
+t = torch.randn(1, 2, 16) * 0.1; g = torch.randn(1, 2, 16, 16)
+q, k, v, dy = (torch.randn(1, 1, 16, 64) for _ in range(4))
+"""
+FIRST_CALLS = {
+    "ScaledMaskedSoftmax": "attngrad.scaled_masked_softmax(x, mask, 0.5)",
+    "ScaledMaskedSoftmaxBackward": "attngrad.scaled_masked_softmax_backward(x, x, mask, 0.5)",
+    "ExpSegsum": "attngrad.exp_segsum(t)",
+    "ExpSegsumBackward": "attngrad.exp_segsum_backward(g, g)",
+    "FlashAttentionScore": "attngrad.flash_attention_score(q, k, v, 1, 'BNSD', scale_value=0.125)",
+    "FlashAttentionScoreGrad": "attngrad.flash_attention_score_grad(q, k, v, dy, 1, 'BNSD', scale_value=0.125)",
+}
+_FIRST_CALL_TEMPLATE = """
+import json, time
+t0 = time.perf_counter()
+import attngrad
+t1 = time.perf_counter()
+{setup}
+t2 = time.perf_counter()
+{call}
+t3 = time.perf_counter()
+print(json.dumps({{"import_s": t1 - t0, "first_call_s": t3 - t2}}))
+"""
+
+
+def child_json(code: str, env: dict | None = None, timeout: float = 900.0, argv: tuple[str, ...] = ()) -> dict:
+    """Run ``code`` in a fresh interpreter (``sys.argv[1:]`` = argv) and parse its last stdout line as JSON."""
+    proc = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    if proc.returncode:
+        raise RuntimeError(f"child failed ({proc.returncode}): {proc.stderr.strip()[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def first_call_latency(op: str) -> dict:
+    """First call of ``op`` in a new process with an empty numba cache, then in one reusing that cache."""
+    code = _FIRST_CALL_TEMPLATE.format(setup=_FIRST_CALL_SETUP, call=FIRST_CALLS[op])
+    with tempfile.TemporaryDirectory(prefix="attngrad-numba-cache-") as cache:
+        cold = child_json(code, {"NUMBA_CACHE_DIR": cache})
+        cached = child_json(code, {"NUMBA_CACHE_DIR": cache})
+    return {"op": op, "dtype": "float32", "import_s": cached["import_s"], "cold_s": cold["first_call_s"],
+            "cached_s": cached["first_call_s"]}
+
+
+def selected_first_calls(args) -> list[str]:
+    ops = list(FIRST_CALLS)
+    if args.op:
+        ops = [o for o in ops if any(s.lower() in o.lower() for s in args.op)]
+    return ops
+
+
+def _render_first_calls(rows: list[dict], console) -> None:
+    from rich.table import Table
+
+    table = Table(title="first call in a fresh process (float32, tiny shapes; numba compile included when cold)")
+    for col in ("operator", "import attngrad s", "cold cache s", "cached s"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["op"], f"{r['import_s']:.2f}", f"{r['cold_s']:.2f}", f"{r['cached_s']:.2f}")
+    console.print(table)
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 200)
+
+
+def _time_cases(cases: list[BenchCase], repeat: int, progress) -> list[BenchResult]:
+    task = progress.add_task("benchmarking", total=sum(len(c.impls) for c in cases))
+    results = []
+    for case in cases:
+        result = BenchResult(case)
+        for name, fn in case.impls.items():
+            progress.update(task, description=f"{case.op} {str(case.dtype)[6:]} {name}")
+            result.seconds[name] = best_time(fn, repeat)
+            progress.advance(task)
+        results.append(result)
+    return results
+
+
+def _first_calls(ops: list[str], progress) -> list[dict]:
+    task = progress.add_task("first calls", total=len(ops))
+    rows = []
+    for op in ops:
+        progress.update(task, description=f"first call {op} (two fresh processes)")
+        rows.append(first_call_latency(op))
+        progress.advance(task)
+    return rows
+
+
 def run_bench(args) -> int:
     from rich.progress import Progress
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    first_call = (not args.quick) if args.first_call is None else args.first_call
     rooflines = measure_rooflines(args.quick)
     cases = collect_cases(args)
     repeat = args.repeat or (3 if args.quick else 10)
-    results = []
-    with Progress(transient=True) as progress:
-        task = progress.add_task("benchmarking", total=sum(len(c.impls) for c in cases))
-        for case in cases:
-            result = BenchResult(case)
-            for name, fn in case.impls.items():
-                progress.update(task, description=f"{case.op} {case.label} {name}")
-                result.seconds[name] = best_time(fn, repeat)
-                progress.advance(task)
-            results.append(result)
-    _render(results, rooflines)
     report = {"machine": {"processor": platform.processor(), "torch": torch.__version__,
-                          "threads": torch.get_num_threads()},
-              "rooflines": rooflines, "results": [r.to_json(rooflines) for r in results]}
+                          "threads": torch.get_num_threads(), "cpus": os.cpu_count()},
+              "options": {"quick": args.quick, "repeat": repeat}, "rooflines": rooflines}
+    with Progress(transient=True) as progress:
+        results = _time_cases(cases, repeat, progress)
+        report["results"] = [r.to_json(rooflines) for r in results]
+        if first_call:
+            report["first_call"] = _first_calls(selected_first_calls(args), progress)
+        if args.scaling:
+            from .benchmarks import bench_scaling
+
+            report["scaling"] = bench_scaling.run(args, progress)
+    console = _console()
+    _render(results, rooflines, console)
+    if first_call:
+        _render_first_calls(report["first_call"], console)
+    if args.scaling:
+        bench_scaling.render(report["scaling"], console)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     plots = [] if args.no_plots else _plot(results, rooflines, out)
-    print(f"wrote {out / 'bench.json'}" + "".join(f", {p}" for p in plots))
+    if args.scaling and not args.no_plots:
+        plots.append(bench_scaling.plot(report["scaling"], out / "scaling.png"))
+    console.print(f"wrote {out / 'bench.json'}" + "".join(f", {p}" for p in plots))
     return 0

@@ -4,16 +4,19 @@ Shapes: q ``[B, N1, Sq, D]``, k ``[B, N2, Skv, D]``, v ``[B, N2, Skv, Dv]``, dy 
 (one float dtype: float32, float16 or bfloat16; any strides), softmax_max / softmax_sum ``[B, N1, Sq]``
 float32. Query head n reads kv head ``n // G`` with ``G = N1 // N2``. The math is the spec's section 0:
 
-* logits ``S = QK^T * scale`` in fp32 (the GEMMs of :mod:`.gemm` keep fp32 output for bf16/fp16 inputs),
-  excluded positions (atten_mask nonzero, or key outside the left-up band ``i - pre <= j <= i + next``)
-  get ``-FLT_MAX``;
-* forward: online softmax over key blocks; ``P = exp(S - m)`` rounded to the input dtype before
-  ``P V``; ``out = acc / l``; ``softmax_max = m``, ``softmax_sum = l = sum exp(S - m)``;
+* logits ``S = QK^T * scale`` (+ pse: ``(QK^T + pse) * scale`` for pse_type 1, ``QK^T * scale + pse``
+  otherwise) in fp32 (the GEMMs of :mod:`.gemm` keep fp32 output for bf16/fp16 inputs); excluded
+  positions (atten_mask nonzero, or key outside both the left-up band ``i - pre <= j <= i + next`` and
+  the batch's prefix ``j < prefix[b]``) get ``-FLT_MAX``;
+* forward: online softmax over key blocks; ``P = exp(S - m)`` times the dropout factor ``M / keep_prob``
+  rounded to the input dtype before ``P V``; ``out = acc / l``; ``softmax_max = m``,
+  ``softmax_sum = l = sum exp(S - m)`` (undropped);
 * backward with the GIVEN stats and out: ``P = exp(S - m) / l``, ``Dr = rowsum(dy * out)``,
-  ``dS = P (dP - Dr)`` with ``dP = dy V^T`` in fp32; P and dS are rounded to the input dtype before
-  the dV, dQ and dK GEMMs (CANN casts); fp32 accumulation; ``dq = scale * dS K``,
-  ``dk = scale * dS^T Q`` and ``dv = P^T dy`` summed over the G query heads of a kv head; outputs
-  rounded once (half to even).
+  ``dS = P (dP M / keep_prob - Dr)`` with ``dP = dy V^T`` in fp32; ``Pd = P M / keep_prob`` and dS are
+  rounded to the input dtype before the dV, dQ and dK GEMMs (CANN casts); fp32 accumulation;
+  ``dq = scale * dS K``, ``dk = scale * dS^T Q`` and ``dv = Pd^T dy`` summed over the G query heads of a
+  kv head; outputs rounded once (half to even). Optionally dpse (pse_type 0/1) from the fp32 dS in the
+  same tile loop (race-free: each (b, key block) belongs to one task), reduced in a fixed order.
 
 Tiles and work split (both cores busy even for one head, results identical for any thread count):
 
@@ -26,9 +29,12 @@ Tiles and work split (both cores busy even for one head, results identical for a
 Extra memory: per task a few [BQ, BK] tiles plus the fp32 dQ slices (``chunks * B*N1*Sq*D``): O(S*D),
 never an [Sq, Skv] tensor.
 
-Tile classification (``_tile_kind``): a tile entirely outside the band is skipped; a tile entirely
-inside it and without atten_mask takes the fast path without per-element tests; the others go through
-``_modify_scores``, the per-row "score modifier" where pse / dropout of later issues plug in.
+Tile classification (``_tile_kind``): a tile entirely outside the visible region (band and prefix) is
+skipped; a tile entirely inside it and without an atten_mask to read takes the fast path without
+per-element tests; the others go through ``_modify_scores``, the per-row score modifier (scale, pse,
+band / prefix / mask). The pse is never expanded: each row reads its slice of the dense
+``[Bp, N1, Sp, Skv]`` pse or of the alibi-compressed ``[Bp, N1, 1024, Skv]`` one, or generates the alibi
+from the slopes. Dropout bits are unpacked a byte at a time per row.
 """
 
 from __future__ import annotations
@@ -445,14 +451,13 @@ def _plan_args(plan: AttentionPlan, q: torch.Tensor, skv: int, dpse: bool = Fals
     """(mask, pse, prefix, drop, ip, fp) as the kernels take them (placeholders for absent features)."""
     b, n1, sq = q.shape[:3]
     mask = plan.atten_mask
-    mask = np.zeros((1, 1, 1, 1), np.uint8) if mask is None else kernel_view(
-        mask if mask.dtype in (torch.bool, torch.uint8) else mask.to(torch.uint8))
+    mask = np.zeros((1, 1, 1, 1), np.uint8) if mask is None else _view(mask)
     if plan.pse is None:
         pse = np.zeros((1, 1, 1, 1), np.float32)
     elif plan.pse_type in (2, 3):
         pse = plan.pse.float().reshape(plan.pse.shape[0], plan.pse.shape[1], 1, 1).numpy()
     else:
-        pse = kernel_view(plan.pse)
+        pse = _view(plan.pse)
     prefix = np.zeros(b, np.int64) if plan.prefix is None else np.asarray(plan.prefix, np.int64)
     drop = (plan.drop_mask.reshape(-1).contiguous().numpy() if plan.has_dropout
             else np.zeros(1, np.uint8))

@@ -20,9 +20,12 @@ tokens have no effect (full attention); drop_mask is ignored when keep_prob == 1
 softmax_in are reserved and unused; prefix is only read by sparse modes 5/6 (which need a mask);
 q_start_idx / kv_start_idx only by pseType 2/3 (which need pse); actual_seq_qlen/kvlen only by TND.
 
-Features the kernels do not implement yet (atten_mask, pse, dropout with keep_prob < 1, TND) are validated
-as far as possible and then rejected with 161002 "... is not supported yet"; :func:`resolve_plan` is the one
-place that turns masks, sparse modes, tokens, pse and dropout into the kernels' ``AttentionPlan``.
+:func:`resolve_plan` is the one place that turns masks, sparse modes, tokens, prefix, pse and dropout into
+the kernels' ``AttentionPlan`` (index rules in :mod:`attngrad.kernels.flash_attention_plan`). Choices where
+attngrad is stricter or more explicit than CANN, documented at their checks: an empty mode-0/4 band is an
+error also at the equality CANN's tiling lets through; a given but invalid prefix is an error for mode 5
+too (CANN's grad only warns); modes 2/3/4/6 take the compressed mask as the standard pattern and never read
+it. dpse is returned for pseType 0/1 (CANN reserves it). TND is dispatched to the varlen contract.
 """
 
 from __future__ import annotations

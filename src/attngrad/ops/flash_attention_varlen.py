@@ -336,7 +336,7 @@ def _resolve_plans(op: str, geo: VarlenGeometry, dtype: torch.dtype, *, scale_va
                          sparse_mode=_batch_mode(b, sparse_mode, band_batch, mask is not None),
                          pse_type=pse_type,
                          atten_mask=_batch_mask(mask, geo, b, sparse_mode),
-                         pse=None if _absent(pse) else _batch_pse(pse, geo, b, pse_type),
+                         pse=None if _absent(pse) else _batch_pse(pse, geo, b, pse_type).contiguous(),
                          drop_mask=_batch_drop_mask(drop_mask, geo, b) if dropout else drop_mask,
                          prefix=None if prefix is None or b >= len(prefix) else [prefix[b]],
                          q_start_idx=q_start_idx, kv_start_idx=kv_start_idx)

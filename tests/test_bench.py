@@ -1,0 +1,190 @@
+"""The ``attngrad bench`` machinery on tiny synthetic cases (no timing assertions).
+
+Covers: option parsing, case selection (--op, --dtype, --size, --quick), the JSON rows (ratios, GB/s,
+fractions of the roofline), the rendered table, the plots, the scaling helpers (stop rules, slope fit,
+plot) and the first-call child process plumbing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import types
+
+import pytest
+import torch
+
+from attngrad import bench
+from attngrad.benchmarks import bench_scaling
+from attngrad.cli import main
+
+ROOFLINES = {"copy_gbps": 20.0, "gemm_fp32_tflops": 0.5, "gemm_bf16_tflops": 2.0}
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def memory_case(dtype=torch.float32) -> bench.BenchCase:
+    return bench.BenchCase("ToyCopy", dtype, "n[64]", {"ours": lambda: None, "peer": lambda: None},
+                           bytes_moved=4_000_000)
+
+
+def gemm_case() -> bench.BenchCase:
+    return bench.BenchCase("ToyGemm", torch.bfloat16, "S2048", {"ours": lambda: None, "peer": lambda: None},
+                           flops=3e9, roofline="gemm_bf16")
+
+
+def test_options_parse():
+    args = parse("--op", "Softmax", "--op", "Flash", "--dtype", "bfloat16", "--size", "S2048", "--quick",
+                 "--repeat", "2", "--no-first-call", "--scaling", "--scaling-max-s", "4096")
+    assert args.op == ["Softmax", "Flash"] and args.dtype == ["bfloat16"] and args.size == ["S2048"]
+    assert args.quick and args.repeat == 2 and args.first_call is False and args.scaling
+    assert args.scaling_max_s == 4096 and args.scaling_call_limit == 60.0 and args.scaling_mem_limit_gib == 8.0
+    defaults = parse()
+    assert defaults.first_call is None and not defaults.scaling and not defaults.quick
+    with pytest.raises(SystemExit):
+        parse("--dtype", "float64")
+
+
+def test_json_row_ratios_and_fractions():
+    result = bench.BenchResult(memory_case(), {"ours": 0.001, "peer": 0.004})
+    row = result.to_json(ROOFLINES)
+    assert row["speedup_vs"] == {"peer": pytest.approx(4.0)}
+    assert row["gbps"]["ours"] == pytest.approx(4.0) and row["gbps"]["peer"] == pytest.approx(1.0)
+    assert row["fraction_of_copy_bw"] == pytest.approx(0.2)
+    assert row["fraction_of_roofline"]["peer"] == pytest.approx(0.05)
+    gemm = bench.BenchResult(gemm_case(), {"ours": 0.003, "peer": 0.001}).to_json(ROOFLINES)
+    assert gemm["tflops"]["ours"] == pytest.approx(1.0) and gemm["fraction_of_gemm"] == pytest.approx(0.5)
+    assert gemm["speedup_vs"]["peer"] == pytest.approx(1 / 3)
+    assert gemm["dtype"] == "bfloat16" and "gbps" not in gemm
+    json.dumps([row, gemm])  # serialisable
+
+
+def test_best_time_takes_the_minimum_after_warmup():
+    calls = []
+    assert bench.best_time(lambda: calls.append(1), repeat=4, warmup=2) >= 0.0
+    assert len(calls) == 6
+
+
+@pytest.mark.parametrize("argv, expected", [
+    ((), {"ScaledMaskedSoftmax", "ScaledMaskedSoftmaxBackward", "ExpSegsum", "ExpSegsumBackward",
+          "FlashAttentionScore", "FlashAttentionScoreGrad"}),
+    (("--op", "scaledmasked"), {"ScaledMaskedSoftmax", "ScaledMaskedSoftmaxBackward"}),
+    (("--op", "ExpSegsumBackward"), {"ExpSegsumBackward"}),
+])
+def test_quick_selection_by_operator(argv, expected):
+    cases = bench.collect_cases(parse("--quick", *argv))
+    ops = {c.op for c in cases}
+    assert ops >= expected if not argv else ops == expected
+    assert all(next(iter(c.impls)).startswith("attngrad") for c in cases)
+    assert all(c.bytes_moved or c.flops for c in cases)
+
+
+def test_selection_by_dtype_and_size():
+    cases = bench.collect_cases(parse("--quick", "--op", "ScaledMasked", "--dtype", "bfloat16"))
+    assert cases and {c.dtype for c in cases} == {torch.bfloat16}
+    label = cases[0].label
+    assert bench.collect_cases(parse("--quick", "--op", "ScaledMasked", "--size", label))
+    assert not bench.collect_cases(parse("--quick", "--op", "ScaledMasked", "--size", "no-such-size"))
+    quick_sms = bench.collect_cases(parse("--quick", "--op", "ScaledMaskedSoftmaxBackward", "--dtype", "float32"))
+    assert "[2, 8, 256, 1024]" in quick_sms[0].label  # the quick preset uses the small shape
+
+
+def test_sms_cases_compute_the_same_thing():
+    case = bench.collect_cases(parse("--quick", "--op", "ScaledMaskedSoftmaxBackward", "--dtype", "float32"))[0]
+    outs = [fn() for fn in case.impls.values()]
+    allocated = [o for o in outs if o is not None]
+    assert len(allocated) >= 2
+    for o in allocated[1:]:
+        torch.testing.assert_close(o, allocated[0], rtol=1e-5, atol=1e-6)
+
+
+def test_render_and_plots(tmp_path):
+    results = [bench.BenchResult(memory_case(dt), {"ours": 0.001, "peer": 0.002}) for dt in
+               (torch.float32, torch.bfloat16)] + [bench.BenchResult(gemm_case(), {"ours": 0.002, "peer": 0.001})]
+    console = bench._console()
+    with console.capture() as cap:
+        bench._render(results, ROOFLINES, console)
+    text = cap.get()
+    assert "ToyCopy" in text and "2.00x" in text and "20% of copy" in text
+    paths = bench._plot(results, ROOFLINES, tmp_path)
+    assert {p.name for p in paths} == {"ToyCopy.png", "ToyGemm.png"}
+    assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_scaling_stop_rules_and_fit(tmp_path):
+    last = {"s": 4096, "forward_s": 4.0, "grad_s": 40.0, "peak_bytes": 600 * 2**20}
+    assert "would take about 160 s" in bench_scaling.stop_reason(last, 8192, 60.0, 8 * 2**30, "attngrad")
+    assert bench_scaling.stop_reason(last, 8192, 200.0, 8 * 2**30, "attngrad") is None  # memory grows as S
+    assert "2.3 GiB" in bench_scaling.stop_reason(last, 8192, 200.0, 2 * 2**30, "torch math")  # S^2
+    assert bench_scaling.sizes(4096) == [512, 1024, 2048, 4096]
+    assert bench_scaling.slope([(s, 3 * s**2) for s in (512, 1024, 4096)]) == pytest.approx(2.0)
+    assert bench_scaling.slope([(512, 1.0)]) is None
+    rows = [{"impl": impl, "s": s, "d": 64, "forward_s": 1e-9 * s**2, "grad_s": 2e-9 * s**2,
+             "peak_bytes": s * (1000 if impl == "attngrad" else s)} for impl in bench_scaling.IMPLS
+            for s in (1024, 2048, 4096, 8192)]
+    summary = bench_scaling.summarise(rows, {"torch math": "S=16384 skipped"})
+    assert summary["fits"]["attngrad"]["time_exponent"] == pytest.approx(2.0)
+    assert summary["fits"]["attngrad"]["memory_exponent"] == pytest.approx(1.0)
+    assert summary["fits"]["torch math"]["memory_exponent"] == pytest.approx(2.0)
+    assert summary["fits"]["torch math"]["stopped"] == "S=16384 skipped"
+    path = bench_scaling.plot(summary, tmp_path / "scaling.png")
+    assert path.stat().st_size > 1000
+    console = bench._console()
+    with console.capture() as cap:
+        bench_scaling.render(summary, console)
+    assert "time ~ S^2.00, memory ~ S^1.00" in cap.get()
+
+
+def test_scaling_run_stops_by_the_rules(monkeypatch):
+    def fake_measure(impl, s, d=64):
+        return {"impl": impl, "s": s, "d": d, "forward_s": 1e-8 * s**2, "grad_s": 2e-8 * s**2,
+                "peak_bytes": 16 * s * (s if impl == "torch math" else 100)}
+
+    monkeypatch.setattr(bench_scaling, "measure", fake_measure)
+    args = types.SimpleNamespace(scaling_max_s=32768, scaling_call_limit=10.0, scaling_mem_limit_gib=1.0)
+    summary = bench_scaling.run(args)
+    biggest = {impl: max(r["s"] for r in summary["rows"] if r["impl"] == impl) for impl in bench_scaling.IMPLS}
+    assert biggest == {"attngrad": 16384, "torch math": 8192}  # 32768: 32 s per call; math 16384: 4 GiB
+    assert "32768 skipped" in summary["fits"]["attngrad"]["stopped"]
+    assert "GiB" in summary["fits"]["torch math"]["stopped"]
+
+
+def test_child_json_and_first_call_plumbing(monkeypatch):
+    assert bench.child_json("import json, sys; print('noise'); print(json.dumps({'a': sys.argv[1]}))",
+                            argv=("x",)) == {"a": "x"}
+    with pytest.raises(RuntimeError, match="child failed"):
+        bench.child_json("raise SystemExit(3)")
+    seen = []
+    monkeypatch.setattr(bench, "child_json", lambda code, env=None, **kw: seen.append((code, env)) or
+                        {"import_s": 1.0, "first_call_s": 5.0 if len(seen) == 1 else 0.5})
+    row = bench.first_call_latency("ExpSegsum")
+    assert row["cold_s"] == 5.0 and row["cached_s"] == 0.5 and row["import_s"] == 1.0
+    (code1, env1), (code2, env2) = seen
+    assert code1 == code2 and "attngrad.exp_segsum(t)" in code1
+    assert env1 == env2 and "NUMBA_CACHE_DIR" in env1  # the second process reuses the first one's cache
+    assert bench.selected_first_calls(parse("--op", "flash")) == ["FlashAttentionScore", "FlashAttentionScoreGrad"]
+
+
+def test_first_call_snippets_run():
+    ns: dict = {}
+    exec(bench._FIRST_CALL_SETUP, ns)
+    import attngrad
+
+    ns["attngrad"] = attngrad
+    for op in ("ScaledMaskedSoftmax", "ScaledMaskedSoftmaxBackward", "ExpSegsum", "ExpSegsumBackward"):
+        assert eval(bench.FIRST_CALLS[op], ns) is not None
+
+
+def test_cli_runs_a_selected_quick_bench(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "measure_rooflines", lambda quick: dict(ROOFLINES))
+    monkeypatch.setattr(bench, "collect_cases", lambda args: [memory_case()])
+    assert main(["bench", "--quick", "--repeat", "1", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["rooflines"] == ROOFLINES and "first_call" not in report and "scaling" not in report
+    assert report["results"][0]["op"] == "ToyCopy" and math.isfinite(report["results"][0]["fraction_of_copy_bw"])
+    assert (tmp_path / "ToyCopy.png").exists()

@@ -1,0 +1,162 @@
+"""The numba scalar helpers of ``attngrad.kernels.numeric``: exact dtype conversions and exp32.
+
+* ``widen`` over all 65536 bit patterns of float16 and bfloat16 equals torch's ``.to(float32)``
+  (nan: nan of the same sign), through both float16 routes (F16C and the integer fallback);
+* ``narrow`` equals torch's ``.to(dtype)`` (round half to even) on random, boundary and special values
+  (nan: any nan; torch's bfloat16 rounding returns +nan for every nan);
+* ``exp32``: relative error against float64 exp, the flush-to-zero and overflow points, nan/inf;
+* ``fmaximum`` propagates nan (the reduction the softmax kernel relies on).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from numba import njit
+
+from attngrad.kernels.numeric import _f16_to_f32, _f32_to_f16, exp32, fmaximum, narrow, widen
+from attngrad.kernels.tensor_view import kernel_view
+
+LOW_DTYPES = [torch.float16, torch.bfloat16]
+
+
+@njit
+def _widen_all(a):
+    out = np.empty(a.size, dtype=np.float32)
+    for i in range(a.size):
+        out[i] = widen(a[i])
+    return out
+
+
+@njit
+def _narrow_all(v, like):
+    for i in range(v.size):
+        like[i] = narrow(v[i], like)
+
+
+@njit
+def _f16_fallback_widen(a):
+    out = np.empty(a.size, dtype=np.float32)
+    for i in range(a.size):
+        out[i] = _f16_to_f32(a[i])
+    return out
+
+
+@njit
+def _f16_fallback_narrow(v):
+    out = np.empty(v.size, dtype=np.int16)
+    for i in range(v.size):
+        out[i] = _f32_to_f16(v[i])
+    return out
+
+
+@njit
+def _exp_all(v):
+    out = np.empty_like(v)
+    for i in range(v.size):
+        out[i] = exp32(v[i])
+    return out
+
+
+@njit
+def _max_all(v):
+    top = np.float32(-np.inf)
+    for i in range(v.size):
+        top = fmaximum(top, v[i])
+    return top
+
+
+def all_patterns(dtype) -> torch.Tensor:
+    return torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+def assert_same_floats(got: torch.Tensor, want: torch.Tensor, nan_sign: bool = True) -> None:
+    """Bit-identical, except that a nan only has to be a nan (of the same sign when ``nan_sign``)."""
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    if nan_sign:
+        assert torch.equal(torch.signbit(got[nan]), torch.signbit(want[nan]))
+    bits = {4: torch.int32, 2: torch.int16}[got.element_size()]
+    assert torch.equal(got[~nan].view(bits), want[~nan].view(bits))
+
+
+def narrow_inputs() -> torch.Tensor:
+    """Random float32 of every magnitude plus the rounding boundaries of float16 and bfloat16."""
+    g = torch.Generator().manual_seed(0)
+    random_bits = torch.randint(-2**31, 2**31 - 1, (1 << 20,), generator=g, dtype=torch.int64).to(torch.int32)
+    values = [random_bits.view(torch.float32), torch.randn(1 << 16, generator=g) * 1000]
+    for dtype in LOW_DTYPES:  # every value of the format, its midpoints to the next, and +-1 ulp of fp32
+        exact = all_patterns(dtype).float()
+        exact = exact[exact.isfinite()]
+        mid = ((exact.double()[:-1] + exact.double()[1:]) / 2).float()
+        values += [exact, mid, torch.nextafter(mid, torch.tensor(math.inf)), torch.nextafter(mid, torch.tensor(-math.inf))]
+    special = [0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 65504.0, 65519.99, 65520.0, 3.4e38, 1e-45,
+               5.96e-8, 2.98e-8, 2.99e-8, 6.1e-5, 1.18e-38]
+    values.append(torch.tensor(special + [-v for v in special]))
+    return torch.cat(values)
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_widen_is_exact_on_every_bit_pattern(dtype):
+    x = all_patterns(dtype)
+    assert_same_floats(torch.from_numpy(_widen_all(kernel_view(x))), x.float())
+
+
+def test_float16_integer_fallback_widens_like_f16c():
+    x = all_patterns(torch.float16)
+    assert_same_floats(torch.from_numpy(_f16_fallback_widen(kernel_view(x))), x.float())
+
+
+@pytest.mark.parametrize("dtype", LOW_DTYPES)
+def test_narrow_rounds_like_torch(dtype):
+    v = narrow_inputs()
+    out = torch.empty(v.shape, dtype=dtype)
+    _narrow_all(v.numpy(), kernel_view(out))
+    assert_same_floats(out, v.to(dtype), nan_sign=False)  # torch's bf16 rounding drops a nan's sign
+
+
+def test_float16_integer_fallback_narrows_like_torch():
+    v = narrow_inputs()
+    got = torch.from_numpy(_f16_fallback_narrow(v.numpy())).view(torch.float16)
+    assert_same_floats(got, v.to(torch.float16), nan_sign=False)
+
+
+def test_narrow_float32_is_identity():
+    v = narrow_inputs()
+    out = torch.empty_like(v)
+    _narrow_all(v.numpy(), out.numpy())
+    assert_same_floats(out, v)
+
+
+def test_exp32_relative_error():
+    g = torch.Generator().manual_seed(1)
+    x = torch.cat([torch.empty(1 << 20).uniform_(-87.3, 88.72, generator=g), torch.randn(1 << 16, generator=g),
+                   torch.linspace(-1, 1, 20001)])
+    got = torch.from_numpy(_exp_all(x.numpy())).double()
+    rel = ((got - x.double().exp()) / x.double().exp()).abs()
+    assert rel.max().item() < 5e-7
+
+
+def test_exp32_special_values_and_range_ends():
+    x = torch.tensor([math.nan, -math.nan, math.inf, -math.inf, 0.0, -0.0, 88.7212, 88.7228, 88.723, 89.0, 1e4,
+                      -87.6, -87.7, -88.0, -1e4, 1e-45])
+    got = torch.from_numpy(_exp_all(x.numpy()))
+    assert got[:2].isnan().all()
+    assert got[2] == math.inf and got[3] == 0.0 and got[4] == 1.0 and got[5] == 1.0
+    assert got[6].item() == pytest.approx(math.exp(x[6].item()), rel=1e-6)  # just below ln(FLT_MAX): finite
+    assert math.isfinite(got[7].item())
+    assert (got[8:11] == math.inf).all()  # exp(88.723) > FLT_MAX
+    assert got[11].item() == pytest.approx(math.exp(x[11].item()), rel=1e-5)  # a subnormal-sized result near the end
+    assert (got[12:15] == 0.0).all()
+    assert got[15] == 1.0
+
+
+def test_fmaximum_reduction_propagates_nan_and_finds_the_max():
+    v = np.random.default_rng(2).standard_normal(1001).astype(np.float32)
+    assert _max_all(v) == v.max()
+    v[500] = np.nan
+    assert np.isnan(_max_all(v))
+    assert _max_all(np.full(7, -np.inf, np.float32)) == -np.inf
