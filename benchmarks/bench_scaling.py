@@ -7,9 +7,9 @@ process per (implementation, S) (B1 N1 D64 bf16, layout BNSD, no mask):
 * ``torch math``: ``scaled_dot_product_attention`` on the math backend (materialises the S x S scores)
   and ``autograd.grad`` of its output.
 
-The child first runs both calls at S = 256 (kernels compiled or loaded, allocator warm), takes
-``ru_maxrss`` as the baseline, then times one forward and one grad at the requested S; the peak memory is
-the rise of ``ru_maxrss`` over the baseline (inputs excluded). A sweep stops once the next size would
+The child first runs both calls at S = 256 (kernels compiled or loaded), makes the inputs, resets the
+kernel's peak-RSS mark (``/proc/self/clear_refs``), then times one forward and one grad at the requested
+S; the peak memory is the peak RSS (VmHWM) minus the RSS before the calls (inputs excluded). A sweep stops once the next size would
 take longer than ``--scaling-call-limit`` seconds per call or more than ``--scaling-mem-limit-gib`` of
 peak memory (extrapolated as S^2 from the last size), and the report says so. Exponents are the
 least-squares slopes of log(time) and log(memory) against log(S) over the sizes from 2048 on.
@@ -19,9 +19,7 @@ This module has no ``cases``: it is not part of the ordinary per-case timing.
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 
 IMPLS = ("attngrad", "torch math")
 SIZES_FROM = 512
@@ -29,27 +27,50 @@ FIT_FROM = 2048
 HEADS, HEAD_DIM = 1, 64
 
 _CHILD = """
-import json, math, resource, sys, time
-import torch
-from attngrad.benchmarks.bench_scaling import call_pair
+import json, sys
+from attngrad.benchmarks.bench_scaling import call_pair, inputs, peak_rss_reset, rss_bytes
 impl, s, d = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-call_pair(impl, 256, d)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-times = call_pair(impl, s, d)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"forward_s": times[0], "grad_s": times[1], "peak_bytes": (peak - base) * 1024}))
+call_pair(impl, *inputs(256, d))
+data = inputs(s, d)
+base = peak_rss_reset()
+times = call_pair(impl, *data)
+print(json.dumps({"forward_s": times[0], "grad_s": times[1], "peak_bytes": rss_bytes("VmHWM") - base}))
 """
 
 
-def call_pair(impl: str, s: int, d: int) -> tuple[float, float]:
-    """Forward and grad of one B1 N1 S x D bf16 attention with ``impl``; returns their wall times."""
+def rss_bytes(field: str = "VmRSS") -> int:
+    """A memory figure of this process from /proc/self/status (VmRSS now, VmHWM its peak), in bytes."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def peak_rss_reset() -> int:
+    """Reset the peak RSS to the current RSS (Linux ``clear_refs`` 5) and return the current RSS."""
+    import gc
+
+    gc.collect()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return rss_bytes()
+
+
+def inputs(s: int, d: int):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(1, HEADS, s, d, generator=g).bfloat16() for _ in range(4))
+
+
+def call_pair(impl: str, q, k, v, dy) -> tuple[float, float]:
+    """Forward and grad of one BNSD bf16 attention with ``impl``; returns their wall times."""
     import time
 
     import torch
 
-    g = torch.Generator().manual_seed(0)
-    q, k, v, dy = (torch.randn(1, HEADS, s, d, generator=g).bfloat16() for _ in range(4))
-    scale = 1.0 / math.sqrt(d)
+    scale = 1.0 / math.sqrt(q.shape[-1])
     t0 = time.perf_counter()
     if impl == "attngrad":
         import attngrad
@@ -62,7 +83,7 @@ def call_pair(impl: str, s: int, d: int) -> tuple[float, float]:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention
 
-        leaves = [t.requires_grad_() for t in (q, k, v)]
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         with sdpa_kernel(SDPBackend.MATH):
             out = scaled_dot_product_attention(*leaves, scale=scale)
         t1 = time.perf_counter()
@@ -153,9 +174,14 @@ def render(scaling: dict, console) -> None:
                       f"{r['peak_bytes'] / 2**20:.1f}")
     console.print(table)
     for impl, fit in scaling["fits"].items():
-        t, m = fit["time_exponent"], fit["memory_exponent"]
-        console.print(f"{impl}: time ~ S^{t:.2f}, memory ~ S^{m:.2f}" if t is not None and m is not None
-                      else f"{impl}: too few sizes to fit", f"({fit['stopped']})" if fit["stopped"] else "")
+        console.print(f"{impl}: {fit_text(fit)}", f"({fit['stopped']})" if fit["stopped"] else "")
+
+
+def fit_text(fit: dict) -> str:
+    def part(name, value):
+        return f"{name} ~ S^{value:.2f}" if value is not None else f"{name}: too few sizes to fit"
+
+    return f"{part('time', fit['time_exponent'])}, {part('memory', fit['memory_exponent'])}"
 
 
 def plot(scaling: dict, path):

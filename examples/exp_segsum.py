@@ -7,7 +7,7 @@ self = [0, 1, 2, 3] (fp32, shape 1x1x1x4) -> out (1x1x1x4x4), printed row-major:
 import numpy as np
 
 from attngrad import aclnn
-from attngrad.examples.acl_helpers import CreateAclTensor, Init, PrintOutResult
+from attngrad.examples.acl_helpers import CreateAclTensors, Finalize, Init, PrintOutResult, RunOnStream
 
 
 def main() -> int:
@@ -22,45 +22,22 @@ def main() -> int:
     self_shape = [1, 1, 1, 4]
     out_shape = [1, 1, 1, 4, 4]
 
-    ret, self_addr, self_tensor = CreateAclTensor(self_host, self_shape, aclnn.ACL_FLOAT)
-    if ret != aclnn.ACL_SUCCESS:
-        return ret
-    ret, out_addr, out = CreateAclTensor(out_host, out_shape, aclnn.ACL_FLOAT)
+    ret, addr, tensor = CreateAclTensors({"self": (self_host, self_shape, aclnn.ACL_FLOAT),
+                                          "out": (out_host, out_shape, aclnn.ACL_FLOAT)})
     if ret != aclnn.ACL_SUCCESS:
         return ret
 
-    ret, workspace_size, executor = aclnn.aclnnExpSegsumGetWorkspaceSize(self_tensor, out)
+    ret, workspace_size, executor = aclnn.aclnnExpSegsumGetWorkspaceSize(tensor["self"], tensor["out"])
     if ret != aclnn.ACL_SUCCESS:
         print(f"aclnnExpSegsumGetWorkspaceSize failed. ERROR: {ret}")
         return ret
-    workspace_addr = None
-    if workspace_size > 0:
-        ret, workspace_addr = aclnn.aclrtMalloc(workspace_size, aclnn.ACL_MEM_MALLOC_HUGE_FIRST)
-        if ret != aclnn.ACL_SUCCESS:
-            print(f"allocate workspace failed. ERROR: {ret}")
-            return ret
-    ret = aclnn.aclnnExpSegsum(workspace_addr, workspace_size, executor, stream)
+    ret, workspace_addr = RunOnStream(aclnn.aclnnExpSegsum, workspace_size, executor, stream)
     if ret != aclnn.ACL_SUCCESS:
-        print(f"aclnnExpSegsum failed. ERROR: {ret}")
         return ret
 
-    ret = aclnn.aclrtSynchronizeStream(stream)
-    if ret != aclnn.ACL_SUCCESS:
-        print(f"aclrtSynchronizeStream failed. ERROR: {ret}")
-        return ret
+    PrintOutResult(out_shape, addr["out"])
 
-    PrintOutResult(out_shape, out_addr)
-
-    for tensor in (self_tensor, out):
-        aclnn.aclDestroyTensor(tensor)
-    for addr in (self_addr, out_addr):
-        aclnn.aclrtFree(addr)
-    if workspace_size > 0:
-        aclnn.aclrtFree(workspace_addr)
-    aclnn.aclrtDestroyStream(stream)
-    aclnn.aclrtResetDevice(device_id)
-    aclnn.aclFinalize()
-    return 0
+    return Finalize(device_id, stream, tensor.values(), (*addr.values(), workspace_addr))
 
 
 if __name__ == "__main__":

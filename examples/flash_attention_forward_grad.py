@@ -11,13 +11,7 @@ import numpy as np
 import torch
 
 from attngrad import aclnn
-from attngrad.examples.acl_helpers import CreateAclTensor, GetShapeSize, Init
-
-
-def _fetch(shape, device_addr) -> np.ndarray:
-    result = np.zeros(GetShapeSize(shape), dtype=np.float32)
-    aclnn.aclrtMemcpy(result, result.nbytes, device_addr, result.nbytes, aclnn.ACL_MEMCPY_DEVICE_TO_HOST)
-    return result.reshape(shape)
+from attngrad.examples.acl_helpers import CopyToHost, CreateAclTensors, Finalize, GetShapeSize, Init, RunOnStream
 
 
 def _torch_autograd(q, k, v, dy, scale):
@@ -44,11 +38,9 @@ def main() -> int:
               "dq": [B, Sq, N1, D], "dk": [B, Skv, N2, D], "dv": [B, Skv, N2, Dv]}
     host = {n: rng.standard_normal(GetShapeSize(s)).astype(np.float32) if n in ("q", "k", "v", "dy")
             else np.zeros(GetShapeSize(s), np.float32) for n, s in shapes.items()}
-    addr, t = {}, {}
-    for name, shape in shapes.items():
-        ret, addr[name], t[name] = CreateAclTensor(host[name], shape, aclnn.ACL_FLOAT)
-        if ret != aclnn.ACL_SUCCESS:
-            return ret
+    ret, addr, t = CreateAclTensors({n: (host[n], shapes[n], aclnn.ACL_FLOAT) for n in shapes})
+    if ret != aclnn.ACL_SUCCESS:
+        return ret
     prefix = q_start_idx = kv_start_idx = None  # optional aclIntArrays, nullptr
     tokens = 2147483647
 
@@ -62,7 +54,7 @@ def main() -> int:
     if ret != aclnn.ACL_SUCCESS:
         print(f"aclnnFlashAttentionScoreV2GetWorkspaceSize failed. ERROR: {ret} {aclnn.aclGetRecentErrMsg()}")
         return ret
-    ret = aclnn.aclnnFlashAttentionScoreV2(None, ws, executor, stream)
+    ret, forward_workspace = RunOnStream(aclnn.aclnnFlashAttentionScoreV2, ws, executor, stream)
     if ret != aclnn.ACL_SUCCESS:
         return ret
 
@@ -74,12 +66,12 @@ def main() -> int:
     if ret != aclnn.ACL_SUCCESS:
         print(f"aclnnFlashAttentionScoreGradV2GetWorkspaceSize failed. ERROR: {ret} {aclnn.aclGetRecentErrMsg()}")
         return ret
-    ret = aclnn.aclnnFlashAttentionScoreGradV2(None, ws, executor, stream)
+    ret, grad_workspace = RunOnStream(aclnn.aclnnFlashAttentionScoreGradV2, ws, executor, stream)
     if ret != aclnn.ACL_SUCCESS:
         return ret
-    aclnn.aclrtSynchronizeStream(stream)
 
-    results = {n: _fetch(shapes[n], addr[n]) for n in ("out", "softmaxMax", "softmaxSum", "dq", "dk", "dv")}
+    results = {n: CopyToHost(shapes[n], addr[n])[1].reshape(shapes[n])
+               for n in ("out", "softmaxMax", "softmaxSum", "dq", "dk", "dv")}
     golden = _torch_autograd(*(host[n].reshape(shapes[n]) for n in ("q", "k", "v", "dy")), scale)
     for name in ("out", "softmaxMax", "softmaxSum", "dq", "dk", "dv"):
         first = ", ".join(f"{x:.6f}" for x in results[name].reshape(-1)[:4])
@@ -87,14 +79,7 @@ def main() -> int:
     for name, g in zip(("out", "dq", "dk", "dv"), golden):
         print(f"max |{name} - torch autograd float64| = {np.abs(results[name] - g).max():.3e}")
 
-    for tensor in t.values():
-        aclnn.aclDestroyTensor(tensor)
-    for a in addr.values():
-        aclnn.aclrtFree(a)
-    aclnn.aclrtDestroyStream(stream)
-    aclnn.aclrtResetDevice(device_id)
-    aclnn.aclFinalize()
-    return 0
+    return Finalize(device_id, stream, t.values(), (*addr.values(), forward_workspace, grad_workspace))
 
 
 if __name__ == "__main__":

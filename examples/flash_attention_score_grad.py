@@ -12,20 +12,9 @@ import math
 import numpy as np
 
 from attngrad import aclnn
-from attngrad.examples.acl_helpers import CreateAclTensor, GetShapeSize, Init
+from attngrad.examples.acl_helpers import CreateAclTensors, Finalize, Init, PrintOutResult, RunOnStream
 
 PRINT_COUNT = 8
-
-
-def PrintOutResult(shape, device_addr, name: str) -> None:
-    """Copy a result back to the host and print its first PRINT_COUNT elements."""
-    result = np.zeros(GetShapeSize(shape), dtype=np.float32)
-    ret = aclnn.aclrtMemcpy(result, result.nbytes, device_addr, result.nbytes, aclnn.ACL_MEMCPY_DEVICE_TO_HOST)
-    if ret != aclnn.ACL_SUCCESS:
-        print(f"copy result from device to host failed. ERROR: {ret}")
-        return
-    for i in range(min(PRINT_COUNT, result.size)):
-        print(f"{name} result[{i}] is: {float(result[i]):f}")
 
 
 def main() -> int:
@@ -41,7 +30,7 @@ def main() -> int:
     H1, H2 = N1 * D, N2 * D
     q_shape, kv_shape = [S1, B, H1], [S2, B, H2]
     softmax_shape = [B, N1, S1, 8]
-    host = {
+    host = {name: (data, shape, aclnn.ACL_FLOAT) for name, (data, shape) in {
         "q": (np.ones(S1 * B * H1, np.float32), q_shape), "k": (np.ones(S2 * B * H2, np.float32), kv_shape),
         "v": (np.ones(S2 * B * H2, np.float32), kv_shape), "dx": (np.ones(S1 * B * H1, np.float32), q_shape),
         "softmaxMax": (np.full(B * N1 * S1 * 8, 3.0, np.float32), softmax_shape),
@@ -49,16 +38,10 @@ def main() -> int:
         "attentionIn": (np.ones(S1 * B * H1, np.float32), q_shape),
         "dq": (np.zeros(S1 * B * H1, np.float32), q_shape), "dk": (np.zeros(S2 * B * H2, np.float32), kv_shape),
         "dv": (np.zeros(S2 * B * H2, np.float32), kv_shape),
-    }
-    addr, tensor = {}, {}
-    for name, (data, shape) in host.items():
-        ret, addr[name], tensor[name] = CreateAclTensor(data, shape, aclnn.ACL_FLOAT)
-        if ret != aclnn.ACL_SUCCESS:
-            return ret
-    # The C++ example passes a [S1, S2] uint8 mask of zeros (nothing masked). attenMask support comes with the
-    # masking issue and is refused until then, so the mask is created as in C++ but nullptr is passed in its
-    # place: with all zeros, both mean "attend everywhere" and the results are the same.
-    ret, addr["attenmask"], attenmask = CreateAclTensor(np.zeros(S1 * S2, np.uint8), [S1, S2], aclnn.ACL_UINT8)
+    }.items()}
+    # the C++ example's [S1, S2] uint8 attention mask of zeros (nothing masked)
+    host["attenMask"] = (np.zeros(S1 * S2, np.uint8), [S1, S2], aclnn.ACL_UINT8)
+    ret, addr, tensor = CreateAclTensors(host)
     if ret != aclnn.ACL_SUCCESS:
         return ret
     pse = drop_mask = padding = softmax_in = dpse = None
@@ -78,48 +61,26 @@ def main() -> int:
 
     # 3. the CANN operator API
     ret, workspace_size, executor = aclnn.aclnnFlashAttentionScoreGradV2GetWorkspaceSize(
-        tensor["q"], tensor["k"], tensor["v"], tensor["dx"], pse, drop_mask, padding, None,
+        tensor["q"], tensor["k"], tensor["v"], tensor["dx"], pse, drop_mask, padding, tensor["attenMask"],
         tensor["softmaxMax"], tensor["softmaxSum"], softmax_in, tensor["attentionIn"], prefix, q_start_idx,
         kv_start_idx, scale_value, keep_prob, pre_tokens, next_tokens, head_num, layout, inner_precise,
         sparse_mode, pse_type, tensor["dq"], tensor["dk"], tensor["dv"], dpse)
     if ret != aclnn.ACL_SUCCESS:
         print(f"aclnnFlashAttentionScoreGradV2GetWorkspaceSize failed. ERROR: {ret} {aclnn.aclGetRecentErrMsg()}")
         return ret
-    workspace_addr = None
-    if workspace_size > 0:
-        ret, workspace_addr = aclnn.aclrtMalloc(workspace_size, aclnn.ACL_MEM_MALLOC_HUGE_FIRST)
-        if ret != aclnn.ACL_SUCCESS:
-            print(f"allocate workspace failed. ERROR: {ret}")
-            return ret
-    ret = aclnn.aclnnFlashAttentionScoreGradV2(workspace_addr, workspace_size, executor, stream)
+
+    # 4. run it and wait for the stream
+    ret, workspace_addr = RunOnStream(aclnn.aclnnFlashAttentionScoreGradV2, workspace_size, executor, stream)
     if ret != aclnn.ACL_SUCCESS:
-        print(f"aclnnFlashAttentionScoreGradV2 failed. ERROR: {ret} {aclnn.aclGetRecentErrMsg()}")
         return ret
 
-    # 4. wait for the stream
-    ret = aclnn.aclrtSynchronizeStream(stream)
-    if ret != aclnn.ACL_SUCCESS:
-        print(f"aclrtSynchronizeStream failed. ERROR: {ret}")
-        return ret
-
-    # 5. copy the results back and print them
-    PrintOutResult(q_shape, addr["dq"], "dq")
-    PrintOutResult(kv_shape, addr["dk"], "dk")
-    PrintOutResult(kv_shape, addr["dv"], "dv")
+    # 5. copy the results back and print their first PRINT_COUNT elements
+    for name, shape in (("dq", q_shape), ("dk", kv_shape), ("dv", kv_shape)):
+        PrintOutResult(shape, addr[name], name=name, count=PRINT_COUNT)
 
     # 6. release tensors and arrays, 7. release device resources
-    for t in (*tensor.values(), attenmask):
-        aclnn.aclDestroyTensor(t)
-    for array in (prefix, q_start_idx, kv_start_idx):
-        aclnn.aclDestroyIntArray(array)
-    for a in addr.values():
-        aclnn.aclrtFree(a)
-    if workspace_size > 0:
-        aclnn.aclrtFree(workspace_addr)
-    aclnn.aclrtDestroyStream(stream)
-    aclnn.aclrtResetDevice(device_id)
-    aclnn.aclFinalize()
-    return 0
+    return Finalize(device_id, stream, tensor.values(), (*addr.values(), workspace_addr),
+                    (prefix, q_start_idx, kv_start_idx))
 
 
 if __name__ == "__main__":

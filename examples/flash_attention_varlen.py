@@ -12,22 +12,21 @@ import math
 import numpy as np
 
 from attngrad import aclnn
-from attngrad.examples.acl_helpers import CreateAclTensor, GetShapeSize, Init
+from attngrad.examples.acl_helpers import CopyToHost, CreateAclTensors, Finalize, GetShapeSize, Init, RunOnStream
 
 PRINT_COUNT = 6
 
 
-def PrintOutResult(shape, device_addr, name: str) -> None:
-    result = np.zeros(GetShapeSize(shape), dtype=np.float32)
-    ret = aclnn.aclrtMemcpy(result, result.nbytes, device_addr, result.nbytes, aclnn.ACL_MEMCPY_DEVICE_TO_HOST)
-    if ret != aclnn.ACL_SUCCESS:
-        print(f"copy result from device to host failed. ERROR: {ret}")
-        return
-    print(f"{name} first values: " + " ".join(f"{float(x):.6f}" for x in result[:PRINT_COUNT]))
+def PrintFirstValues(shape, device_addr, name: str) -> None:
+    """Copy a result back to the host and print its first PRINT_COUNT values on one line."""
+    ret, result = CopyToHost(shape, device_addr)
+    if ret == aclnn.ACL_SUCCESS:
+        print(f"{name} first values: " + " ".join(f"{float(x):.6f}" for x in result[:PRINT_COUNT]))
 
 
 def main() -> int:
-    ret, stream = Init(0)
+    device_id = 0
+    ret, stream = Init(device_id)
     if ret != aclnn.ACL_SUCCESS:
         return ret
     q_lens, kv_lens = [3, 0, 5], [4, 0, 6]
@@ -37,13 +36,12 @@ def main() -> int:
               "out": [T1, N1, D], "softmaxMax": [T1, N1, 8], "softmaxSum": [T1, N1, 8],
               "dq": [T1, N1, D], "dk": [T2, N2, D], "dv": [T2, N2, D]}
     random = ("q", "k", "v", "dy")
-    addr, tensor = {}, {}
-    for name, shape in shapes.items():
-        size = GetShapeSize(shape)
-        data = rng.standard_normal(size).astype(np.float32) if name in random else np.zeros(size, np.float32)
-        ret, addr[name], tensor[name] = CreateAclTensor(data, shape, aclnn.ACL_FLOAT)
-        if ret != aclnn.ACL_SUCCESS:
-            return ret
+    host = {name: (rng.standard_normal(GetShapeSize(shape)).astype(np.float32) if name in random
+                   else np.zeros(GetShapeSize(shape), np.float32), shape, aclnn.ACL_FLOAT)
+            for name, shape in shapes.items()}
+    ret, addr, tensor = CreateAclTensors(host)
+    if ret != aclnn.ACL_SUCCESS:
+        return ret
     seq_q = aclnn.aclCreateIntArray([3, 3, 8], 3)
     seq_kv = aclnn.aclCreateIntArray([4, 4, 10], 3)
     scale, keep_prob, pre_tokens, next_tokens = 1.0 / math.sqrt(D), 1.0, 2147483647, 2147483647
@@ -55,9 +53,8 @@ def main() -> int:
     if ret != aclnn.ACL_SUCCESS:
         print(f"aclnnFlashAttentionVarLenScoreGetWorkspaceSize failed. ERROR: {ret} {aclnn.aclGetRecentErrMsg()}")
         return ret
-    ret = aclnn.aclnnFlashAttentionVarLenScore(None, ws, executor, stream)
+    ret, forward_workspace = RunOnStream(aclnn.aclnnFlashAttentionVarLenScore, ws, executor, stream)
     if ret != aclnn.ACL_SUCCESS:
-        print(f"aclnnFlashAttentionVarLenScore failed. ERROR: {ret}")
         return ret
 
     ret, ws, executor = aclnn.aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize(
@@ -68,22 +65,15 @@ def main() -> int:
         print(f"aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize failed. ERROR: {ret} "
               f"{aclnn.aclGetRecentErrMsg()}")
         return ret
-    ret = aclnn.aclnnFlashAttentionUnpaddingScoreGrad(None, ws, executor, stream)
+    ret, grad_workspace = RunOnStream(aclnn.aclnnFlashAttentionUnpaddingScoreGrad, ws, executor, stream)
     if ret != aclnn.ACL_SUCCESS:
-        print(f"aclnnFlashAttentionUnpaddingScoreGrad failed. ERROR: {ret}")
         return ret
-    aclnn.aclrtSynchronizeStream(stream)
     for name in ("out", "softmaxMax", "softmaxSum", "dq", "dk", "dv"):
-        PrintOutResult(shapes[name], addr[name], name)
+        PrintFirstValues(shapes[name], addr[name], name)
 
-    for name in shapes:
-        aclnn.aclDestroyTensor(tensor[name])
-        aclnn.aclrtFree(addr[name])
-    aclnn.aclrtDestroyStream(stream)
-    aclnn.aclrtResetDevice(0)
-    aclnn.aclFinalize()
-    return 0
+    return Finalize(device_id, stream, tensor.values(), (*addr.values(), forward_workspace, grad_workspace),
+                    (seq_q, seq_kv))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

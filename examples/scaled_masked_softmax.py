@@ -7,7 +7,7 @@ Expected output: 0.5 0.5 0.268941 0.731059, four times.
 import numpy as np
 
 from attngrad import aclnn
-from attngrad.examples.acl_helpers import CreateAclTensor, Init, PrintOutResult
+from attngrad.examples.acl_helpers import CreateAclTensors, Finalize, Init, PrintOutResult, RunOnStream
 
 
 def main() -> int:
@@ -24,13 +24,9 @@ def main() -> int:
     mask_shape = [2, 2, 2, 2]
     y_shape = [2, 2, 2, 2]
 
-    ret, x_addr, x = CreateAclTensor(x_host, x_shape, aclnn.ACL_FLOAT)
-    if ret != aclnn.ACL_SUCCESS:
-        return ret
-    ret, mask_addr, mask = CreateAclTensor(mask_host, mask_shape, aclnn.ACL_BOOL)
-    if ret != aclnn.ACL_SUCCESS:
-        return ret
-    ret, y_addr, y = CreateAclTensor(y_host, y_shape, aclnn.ACL_FLOAT)
+    ret, addr, tensor = CreateAclTensors({"x": (x_host, x_shape, aclnn.ACL_FLOAT),
+                                          "mask": (mask_host, mask_shape, aclnn.ACL_BOOL),
+                                          "y": (y_host, y_shape, aclnn.ACL_FLOAT)})
     if ret != aclnn.ACL_SUCCESS:
         return ret
 
@@ -38,38 +34,17 @@ def main() -> int:
     fixed_triu_mask = False
 
     ret, workspace_size, executor = aclnn.aclnnScaledMaskedSoftmaxGetWorkspaceSize(
-        x, mask, scale, fixed_triu_mask, y)
+        tensor["x"], tensor["mask"], scale, fixed_triu_mask, tensor["y"])
     if ret != aclnn.ACL_SUCCESS:
         print(f"aclnnScaledMaskedSoftmaxGetWorkspaceSize failed. ERROR: {ret}")
         return ret
-    workspace_addr = None
-    if workspace_size > 0:
-        ret, workspace_addr = aclnn.aclrtMalloc(workspace_size, aclnn.ACL_MEM_MALLOC_HUGE_FIRST)
-        if ret != aclnn.ACL_SUCCESS:
-            print(f"allocate workspace failed. ERROR: {ret}")
-            return ret
-    ret = aclnn.aclnnScaledMaskedSoftmax(workspace_addr, workspace_size, executor, stream)
+    ret, workspace_addr = RunOnStream(aclnn.aclnnScaledMaskedSoftmax, workspace_size, executor, stream)
     if ret != aclnn.ACL_SUCCESS:
-        print(f"aclnnScaledMaskedSoftmax failed. ERROR: {ret}")
         return ret
 
-    ret = aclnn.aclrtSynchronizeStream(stream)
-    if ret != aclnn.ACL_SUCCESS:
-        print(f"aclrtSynchronizeStream failed. ERROR: {ret}")
-        return ret
+    PrintOutResult(y_shape, addr["y"])
 
-    PrintOutResult(y_shape, y_addr)
-
-    for tensor in (x, mask, y):
-        aclnn.aclDestroyTensor(tensor)
-    for addr in (x_addr, mask_addr, y_addr):
-        aclnn.aclrtFree(addr)
-    if workspace_size > 0:
-        aclnn.aclrtFree(workspace_addr)
-    aclnn.aclrtDestroyStream(stream)
-    aclnn.aclrtResetDevice(device_id)
-    aclnn.aclFinalize()
-    return 0
+    return Finalize(device_id, stream, tensor.values(), (*addr.values(), workspace_addr))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ gradOutput = y = 1..16 (fp32, 2x2x2x2), mask {1,1,0,0, ...}, scale 1. Expected o
 import numpy as np
 
 from attngrad import aclnn
-from attngrad.examples.acl_helpers import CreateAclTensor, Init, PrintOutResult
+from attngrad.examples.acl_helpers import CreateAclTensors, Finalize, Init, PrintOutResult, RunOnStream
 
 
 def main() -> int:
@@ -28,16 +28,10 @@ def main() -> int:
     mask_shape = [2, 2, 2, 2]
     out_shape = [2, 2, 2, 2]
 
-    ret, grad_output_addr, grad_output = CreateAclTensor(grad_output_host, grad_output_shape, aclnn.ACL_FLOAT)
-    if ret != aclnn.ACL_SUCCESS:
-        return ret
-    ret, y_addr, y = CreateAclTensor(y_host, y_shape, aclnn.ACL_FLOAT)
-    if ret != aclnn.ACL_SUCCESS:
-        return ret
-    ret, mask_addr, mask = CreateAclTensor(mask_host, mask_shape, aclnn.ACL_BOOL)
-    if ret != aclnn.ACL_SUCCESS:
-        return ret
-    ret, out_addr, out = CreateAclTensor(out_host, out_shape, aclnn.ACL_FLOAT)
+    ret, addr, tensor = CreateAclTensors({"gradOutput": (grad_output_host, grad_output_shape, aclnn.ACL_FLOAT),
+                                          "y": (y_host, y_shape, aclnn.ACL_FLOAT),
+                                          "mask": (mask_host, mask_shape, aclnn.ACL_BOOL),
+                                          "out": (out_host, out_shape, aclnn.ACL_FLOAT)})
     if ret != aclnn.ACL_SUCCESS:
         return ret
 
@@ -47,41 +41,21 @@ def main() -> int:
 
     # 3. the CANN operator API
     ret, workspace_size, executor = aclnn.aclnnScaledMaskedSoftmaxBackwardGetWorkspaceSize(
-        grad_output, y, mask, scale, fix_triu_mask, out)
+        tensor["gradOutput"], tensor["y"], tensor["mask"], scale, fix_triu_mask, tensor["out"])
     if ret != aclnn.ACL_SUCCESS:
         print(f"aclnnScaledMaskedSoftmaxBackwardGetWorkspaceSize failed. ERROR: {ret}")
         return ret
-    workspace_addr = None
-    if workspace_size > 0:
-        ret, workspace_addr = aclnn.aclrtMalloc(workspace_size, aclnn.ACL_MEM_MALLOC_HUGE_FIRST)
-        if ret != aclnn.ACL_SUCCESS:
-            print(f"allocate workspace failed. ERROR: {ret}")
-            return ret
-    ret = aclnn.aclnnScaledMaskedSoftmaxBackward(workspace_addr, workspace_size, executor, stream)
-    if ret != aclnn.ACL_SUCCESS:
-        print(f"aclnnScaledMaskedSoftmaxBackward failed. ERROR: {ret}")
-        return ret
 
-    # 4. wait for the stream
-    ret = aclnn.aclrtSynchronizeStream(stream)
+    # 4. run it and wait for the stream
+    ret, workspace_addr = RunOnStream(aclnn.aclnnScaledMaskedSoftmaxBackward, workspace_size, executor, stream)
     if ret != aclnn.ACL_SUCCESS:
-        print(f"aclrtSynchronizeStream failed. ERROR: {ret}")
         return ret
 
     # 5. copy the result back and print it
-    PrintOutResult(out_shape, out_addr)
+    PrintOutResult(out_shape, addr["out"])
 
     # 6. release tensors, 7. release device resources
-    for tensor in (grad_output, y, mask, out):
-        aclnn.aclDestroyTensor(tensor)
-    for addr in (grad_output_addr, y_addr, mask_addr, out_addr):
-        aclnn.aclrtFree(addr)
-    if workspace_size > 0:
-        aclnn.aclrtFree(workspace_addr)
-    aclnn.aclrtDestroyStream(stream)
-    aclnn.aclrtResetDevice(device_id)
-    aclnn.aclFinalize()
-    return 0
+    return Finalize(device_id, stream, tensor.values(), (*addr.values(), workspace_addr))
 
 
 if __name__ == "__main__":

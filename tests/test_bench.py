@@ -188,3 +188,16 @@ def test_cli_runs_a_selected_quick_bench(tmp_path, monkeypatch):
     assert report["rooflines"] == ROOFLINES and "first_call" not in report and "scaling" not in report
     assert report["results"][0]["op"] == "ToyCopy" and math.isfinite(report["results"][0]["fraction_of_copy_bw"])
     assert (tmp_path / "ToyCopy.png").exists()
+
+
+def test_time_case_interleaves_rounds_and_rates_against_the_copy_alongside():
+    calls = []
+    case = bench.BenchCase("ToyCopy", torch.float32, "n", {"ours": lambda: calls.append("o"),
+                                                          "peer": lambda: calls.append("p")}, bytes_moved=8_000_000)
+    result = bench.time_case(case, repeat=3)
+    assert calls == ["o", "p"] * 4  # one warm-up call each, then three interleaved rounds
+    assert set(result.seconds) == {"ours", "peer"} and result.copy_gbps > 0
+    row = result.to_json(ROOFLINES)
+    assert row["copy_gbps_alongside"] == result.copy_gbps
+    assert row["fraction_of_copy_bw"] == pytest.approx(row["gbps"]["ours"] / result.copy_gbps)
+    assert bench.time_case(gemm_case(), repeat=1).copy_gbps is None

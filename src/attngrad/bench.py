@@ -55,8 +55,11 @@ class BenchCase:
 
 @dataclass
 class BenchResult:
+    """Best times per implementation; ``copy_gbps``: a copy of the same bytes timed in the same rounds."""
+
     case: BenchCase
     seconds: dict[str, float] = field(default_factory=dict)
+    copy_gbps: float | None = None
 
     def to_json(self, rooflines: dict[str, float]) -> dict:
         c = self.case
@@ -65,8 +68,11 @@ class BenchResult:
                "seconds": self.seconds,
                "speedup_vs": {k: v / self.seconds[ours] for k, v in self.seconds.items() if k != ours}}
         if c.bytes_moved:
+            # the copy timed alongside is the roofline when there is one: it saw the same machine load
+            copy = self.copy_gbps or rooflines["copy_gbps"]
+            row["copy_gbps_alongside"] = self.copy_gbps
             row["gbps"] = {k: c.bytes_moved / v / 1e9 for k, v in self.seconds.items()}
-            row["fraction_of_roofline"] = {k: v / rooflines["copy_gbps"] for k, v in row["gbps"].items()}
+            row["fraction_of_roofline"] = {k: v / copy for k, v in row["gbps"].items()}
             row["fraction_of_copy_bw"] = row["fraction_of_roofline"][ours]
         if c.flops:
             row["tflops"] = {k: c.flops / v / 1e12 for k, v in self.seconds.items()}
@@ -163,6 +169,8 @@ def _render(results: list[BenchResult], rooflines: dict[str, float], console) ->
                           for k, v in r.seconds.items() if k != ours)
         if "gbps" in row:
             rate = f"{row['gbps'][ours]:.1f} GB/s ({100 * row['fraction_of_copy_bw']:.0f}% of copy)"
+            if row["copy_gbps_alongside"]:
+                rate += f"; copy alongside {row['copy_gbps_alongside']:.1f} GB/s"
         elif "tflops" in row:
             rate = f"{row['tflops'][ours]:.3f} TFLOP/s ({100 * row['fraction_of_gemm']:.0f}% of {r.case.roofline})"
         else:
@@ -174,6 +182,7 @@ def _render(results: list[BenchResult], rooflines: dict[str, float], console) ->
 
 
 def _plot(results: list[BenchResult], rooflines: dict[str, float], out: Path) -> list[Path]:
+    """One PNG per operator: time per case and implementation, and each one's fraction of the roofline."""
     try:
         import matplotlib
 
@@ -181,34 +190,64 @@ def _plot(results: list[BenchResult], rooflines: dict[str, float], out: Path) ->
         import matplotlib.pyplot as plt
     except ImportError:
         return []
+    import textwrap
+
     paths = []
-    ops = sorted({r.case.op for r in results})
-    for op in ops:
+    for op in sorted({r.case.op for r in results}):
         rows = [r for r in results if r.case.op == op]
-        fig, (ax_t, ax_f) = plt.subplots(1, 2, figsize=(13, 0.45 * len(rows) + 2.5))
-        labels = [f"{r.case.label} {str(r.case.dtype).replace('torch.', '')}" for r in rows]
+        fig, (ax_t, ax_f) = plt.subplots(1, 2, figsize=(12, 0.7 * len(rows) + 2.6), sharey=True)
+        labels = [textwrap.fill(f"{str(r.case.dtype).replace('torch.', '')} {r.case.label}", 30) for r in rows]
         impls = list(dict.fromkeys(k for r in rows for k in r.seconds))
         height = 0.8 / max(len(impls), 1)
+        fractions = [r.to_json(rooflines).get("fraction_of_roofline", {}) for r in rows]
         for i, name in enumerate(impls):
             ys = [j + i * height for j in range(len(rows))]
             ax_t.barh(ys, [r.seconds.get(name, 0) * 1e3 for r in rows], height, label=name)
+            ax_f.barh(ys, [f.get(name, 0) for f in fractions], height)
         ax_t.set_yticks([j + 0.4 - height / 2 for j in range(len(rows))], labels, fontsize=7)
-        ax_t.set_xlabel("time (ms, lower is better)")
-        ax_t.legend(fontsize=7)
-        fractions = []
-        for r in rows:
-            row = r.to_json(rooflines)
-            fractions.append(row.get("fraction_of_copy_bw", row.get("fraction_of_gemm", 0.0)))
-        ax_f.barh(range(len(rows)), fractions, color="tab:green")
-        ax_f.set_yticks(range(len(rows)), labels, fontsize=7)
-        ax_f.set_xlabel("attngrad: fraction of the machine's roofline")
-        fig.suptitle(f"{op} ({platform.processor() or platform.machine()})")
-        fig.tight_layout()
+        ax_t.invert_yaxis()
+        ax_t.set_xlabel("time (ms, best of N; lower is better)")
+        ax_f.axvline(1.0, color="black", linewidth=0.8)
+        ax_f.set_xlabel(f"fraction of the roofline ({rows[0].case.roofline}; 1 = roofline)")
+        fig.legend(*ax_t.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=7, frameon=False)
+        fig.suptitle(f"{op} ({platform.machine()}, {os.cpu_count()} CPUs)")
+        fig.tight_layout(rect=(0, 0.06 + 0.02 * len(impls), 1, 1))
         path = out / f"{op}.png"
-        fig.savefig(path, dpi=90)
+        fig.savefig(path, dpi=80)
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def markdown_summary(report: dict) -> str:
+    """The report as Markdown tables (the README's "Benchmark results" section is pasted from it)."""
+    r = report["rooflines"]
+    lines = [f"Rooflines measured first: copy {r['copy_gbps']:.1f} GB/s, fp32 GEMM {r['gemm_fp32_tflops']:.2f} TFLOP/s, "
+             f"bf16 GEMM {r['gemm_bf16_tflops']:.2f} TFLOP/s. Memory-bound cases are rated against a copy of "
+             "the same bytes timed in the same rounds.", "",
+             "| operator | dtype | case | attngrad ms | % of roofline | peers: ms (speed-up of attngrad) |",
+             "|---|---|---|---|---|---|"]
+    for row in report["results"]:
+        ours, *peers = row["seconds"]
+        frac = row.get("fraction_of_copy_bw", row.get("fraction_of_gemm"))
+        peer_text = "; ".join(f"{k} {row['seconds'][k] * 1e3:.1f} ({row['speedup_vs'][k]:.2f}x)" for k in peers)
+        lines.append(f"| {row['op']} | {row['dtype']} | {row['label']} | {row['seconds'][ours] * 1e3:.1f} | "
+                     f"{'-' if frac is None else f'{100 * frac:.0f}%'} | {peer_text} |")
+    if "first_call" in report:
+        lines += ["", "| operator (first call, fresh process) | import s | cold numba cache s | cached s |",
+                  "|---|---|---|---|"]
+        lines += [f"| {f['op']} | {f['import_s']:.2f} | {f['cold_s']:.2f} | {f['cached_s']:.2f} |"
+                  for f in report["first_call"]]
+    if "scaling" in report:
+        sc = report["scaling"]
+        lines += ["", f"Sequence-length scaling ({sc['shape']}, {sc['layout']}, forward + grad):", "",
+                  "| impl | S | forward s | grad s | peak MiB |", "|---|---|---|---|---|"]
+        lines += [f"| {x['impl']} | {x['s']} | {x['forward_s']:.3f} | {x['grad_s']:.3f} | {x['peak_bytes'] / 2**20:.1f} |"
+                  for x in sc["rows"]]
+        from .benchmarks.bench_scaling import fit_text
+
+        lines += [f"\n{impl}: {fit_text(fit)}. {fit['stopped']}" for impl, fit in sc["fits"].items()]
+    return "\n".join(lines) + "\n"
 
 
 # --- first-call latency: one tiny float32 call per operator in a fresh interpreter ---
@@ -282,16 +321,42 @@ def _console():
     return Console(width=None if sys.stdout.isatty() else 200)
 
 
+def _copy_fn(bytes_moved: int) -> Callable[[], object]:
+    """A float32 copy moving ``bytes_moved`` bytes (read + write), the memory-bound roofline."""
+    src = torch.randn(max(bytes_moved // 8, 1))
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def time_case(case: BenchCase, repeat: int, budget_s: float = 60.0) -> BenchResult:
+    """Best-of-``repeat`` in interleaved rounds (one call of each implementation per round, after one
+    warm-up call each), so that every implementation sees the same machine load; memory-bound cases
+    also time a copy of the same bytes in the same rounds."""
+    fns = dict(case.impls)
+    if case.bytes_moved:
+        fns["__copy__"] = _copy_fn(case.bytes_moved)
+    best = {name: float("inf") for name in fns}
+    for fn in fns.values():
+        fn()
+    start = time.perf_counter()
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+        if time.perf_counter() - start > budget_s:
+            break
+    copy = best.pop("__copy__", None)
+    return BenchResult(case, best, case.bytes_moved / copy / 1e9 if copy else None)
+
+
 def _time_cases(cases: list[BenchCase], repeat: int, progress) -> list[BenchResult]:
-    task = progress.add_task("benchmarking", total=sum(len(c.impls) for c in cases))
+    task = progress.add_task("benchmarking", total=len(cases))
     results = []
     for case in cases:
-        result = BenchResult(case)
-        for name, fn in case.impls.items():
-            progress.update(task, description=f"{case.op} {str(case.dtype)[6:]} {name}")
-            result.seconds[name] = best_time(fn, repeat)
-            progress.advance(task)
-        results.append(result)
+        progress.update(task, description=f"{case.op} {str(case.dtype)[6:]} {case.label}")
+        results.append(time_case(case, repeat))
+        progress.advance(task)
     return results
 
 
@@ -333,8 +398,9 @@ def run_bench(args) -> int:
     if args.scaling:
         bench_scaling.render(report["scaling"], console)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
+    (out / "bench.md").write_text(markdown_summary(report))
     plots = [] if args.no_plots else _plot(results, rooflines, out)
     if args.scaling and not args.no_plots:
         plots.append(bench_scaling.plot(report["scaling"], out / "scaling.png"))
-    console.print(f"wrote {out / 'bench.json'}" + "".join(f", {p}" for p in plots))
+    console.print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + "".join(f", {p}" for p in plots))
     return 0

@@ -35,6 +35,12 @@ def as_torch(op: str, name: str, t) -> torch.Tensor | None:
     return t.to_torch(name)
 
 
+def as_torch_views(op: str, named: dict) -> dict:
+    """The aclTensor arguments ``{CANN name: aclTensor or None}`` as ``{CANN name: torch view or None}``,
+    converted in order (the first bad one is the one reported)."""
+    return {name: as_torch(op, name, t) for name, t in named.items()}
+
+
 def as_ints(op: str, name: str, array) -> list[int] | None:
     """An aclIntArray (or Python sequence) argument as a list of ints."""
     if array is None:
@@ -47,10 +53,12 @@ def as_ints(op: str, name: str, array) -> list[int] | None:
         raise invalid(op, name, "must be an aclIntArray", type(array).__name__) from None
 
 
-def check_format_nd(op: str, name: str, t, allowed=(ACL_FORMAT_ND,)) -> None:
-    """aclnn-only rule: tensors must carry one of the ``allowed`` storage formats (ND by default)."""
-    if isinstance(t, AclTensor) and t.format not in allowed:
-        raise invalid(op, name, f"format must be one of {list(allowed)} (ND = 2)", t.format)
+def check_formats_nd(op: str, named: dict) -> None:
+    """aclnn-only rule, checked after the contract's: every given aclTensor of ``{CANN name: aclTensor or
+    None}`` has the ND storage format."""
+    for name, t in named.items():
+        if isinstance(t, AclTensor) and t.format != ACL_FORMAT_ND:
+            raise invalid(op, name, f"format must be one of {[ACL_FORMAT_ND]} (ND = 2)", t.format)
 
 
 def write_output(out: torch.Tensor, value: torch.Tensor) -> None:
@@ -60,6 +68,10 @@ def write_output(out: torch.Tensor, value: torch.Tensor) -> None:
     """
     with torch.no_grad():
         out.copy_(value)
+
+
+def no_work() -> None:
+    """The run of an executor with nothing to compute (CANN's empty fast paths: success, no work)."""
 
 
 def two_phase(op: str, prepare):

@@ -1,109 +1,108 @@
 """aclnnFlashAttentionScore(V2) and aclnnFlashAttentionScoreGrad(V2): thin two-phase wrappers.
 
-Parameters in CANN's C order (spec section 1; forward per CANN's aclnnFlashAttentionScore[V2] docs). V2 adds
-``qStartIdxOptional, kvStartIdxOptional`` after ``prefixOptional`` and ``pseType`` after ``sparseMode``; V1
-runs with pseType 1. All checks live in :mod:`attngrad.ops.flash_attention` (``cann_limits=True``: the
-forward results are required by the grad, outputs are required, all-empty grad outputs succeed).
-``softmaxOutOut``, ``paddingMaskOptional``, ``softmaxInOptional`` and ``dpseOut`` are reserved by CANN and
-left untouched.
+Each API's parameters are listed once, in CANN's C order, as the names of CANN's docs (spec section 1; the
+forward per CANN's aclnnFlashAttentionScore[V2] docs). V2 adds ``qStartIdxOptional, kvStartIdxOptional``
+after ``prefixOptional`` and ``pseType`` after ``sparseMode``; V1 runs with pseType 1. All checks live in
+:mod:`attngrad.ops.flash_attention` (``cann_limits=True``: the forward results are required by the grad,
+outputs are required, all-empty grad outputs succeed). ``softmaxOutOut``, ``paddingMaskOptional``,
+``softmaxInOptional`` and ``dpseOut`` are reserved by CANN and left untouched. :func:`forward_prepare` and
+:func:`grad_prepare` also serve the varlen APIs of :mod:`attngrad.aclnn.flash_attention_varlen`.
 """
 
 from __future__ import annotations
 
 from ..ops import flash_attention as contract
-from .executor import as_ints, as_torch, check_format_nd, two_phase, write_output
+from .executor import as_ints, as_torch_views, check_formats_nd, no_work, two_phase, write_output
+
+FORWARD_V2_PARAMS = ("query", "key", "value", "realShift", "dropMask", "paddingMask", "attenMask", "prefix",
+                     "qStartIdx", "kvStartIdx", "scaleValue", "keepProb", "preTokens", "nextTokens", "headNum",
+                     "inputLayout", "innerPrecise", "sparseMode", "pseType", "softmaxMaxOut", "softmaxSumOut",
+                     "softmaxOutOut", "attentionOutOut")
+GRAD_V2_PARAMS = ("query", "keyIn", "value", "dy", "pseShift", "dropMask", "paddingMask", "attenMask", "softmaxMax",
+                  "softmaxSum", "softmaxIn", "attentionIn", "prefix", "qStartIdx", "kvStartIdx", "scaleValue",
+                  "keepProb", "preTokens", "nextTokens", "headNum", "inputLayout", "innerPrecise", "sparseMode",
+                  "pseType", "dqOut", "dkOut", "dvOut", "dpseOut")
+V2_ONLY_PARAMS = ("qStartIdx", "kvStartIdx", "pseType")
+
+# aclTensor parameters -> the contract's keyword (None: reserved by CANN, converted and format-checked only)
+TENSOR_KEYWORDS = {
+    "query": "query", "key": "key", "keyIn": "key", "value": "value", "dy": "dy", "realShift": "pse",
+    "pseShift": "pse", "dropMask": "drop_mask", "paddingMask": None, "attenMask": "atten_mask",
+    "softmaxMax": "softmax_max", "softmaxSum": "softmax_sum", "softmaxIn": None, "attentionIn": "attention_in",
+    "softmaxMaxOut": "softmax_max_out", "softmaxSumOut": "softmax_sum_out", "softmaxOutOut": None,
+    "attentionOutOut": "attention_out", "dqOut": "dq_out", "dkOut": "dk_out", "dvOut": "dv_out", "dpseOut": None,
+}
+# aclIntArray parameters -> the contract's keyword, in the order they are converted
+INT_ARRAY_KEYWORDS = {"actualSeqQLen": "actual_seq_qlen", "actualSeqKvLen": "actual_seq_kvlen", "prefix": "prefix",
+                      "qStartIdx": "q_start_idx", "kvStartIdx": "kv_start_idx"}
+ATTRIBUTE_KEYWORDS = {"scaleValue": "scale_value", "keepProb": "keep_prob", "preTokens": "pre_tokens",
+                      "nextTokens": "next_tokens", "headNum": "head_num", "inputLayout": "input_layout",
+                      "innerPrecise": "inner_precise", "sparseMode": "sparse_mode", "pseType": "pse_type"}
 
 
-def _tensors(op: str, named: dict) -> dict:
-    """aclTensor arguments as torch views (None stays None)."""
-    return {name: as_torch(op, name, t) for name, t in named.items()}
+def v1_params(params: tuple[str, ...]) -> tuple[str, ...]:
+    """The V1 API's parameters: the V2 ones without qStartIdx, kvStartIdx and pseType (pseType 1)."""
+    return tuple(p for p in params if p not in V2_ONLY_PARAMS)
 
 
-def _check_formats(op: str, named: dict) -> None:
-    """aclnn-only rule, after the contract's checks: every given tensor is ND."""
-    for name, t in named.items():
-        check_format_nd(op, name, t)
+def _arguments(op: str, params: tuple[str, ...], args: tuple) -> tuple[dict, dict, dict]:
+    """CANN's positional arguments -> ``(given aclTensors, their torch views, the contract's keywords)``, the
+    first two by CANN name. Tensors are converted first (in C order), then the aclIntArrays."""
+    if len(args) != len(params):
+        raise TypeError(f"{op} takes {len(params)} arguments ({len(args)} given)")
+    given = dict(zip(params, args))
+    acl_tensors = {p: v for p, v in given.items() if p in TENSOR_KEYWORDS}
+    views = as_torch_views(op, acl_tensors)
+    keywords = {TENSOR_KEYWORDS[p]: t for p, t in views.items() if TENSOR_KEYWORDS[p]}
+    keywords.update((k, as_ints(op, p, given[p])) for p, k in INT_ARRAY_KEYWORDS.items() if p in given)
+    keywords.update((ATTRIBUTE_KEYWORDS[p], v) for p, v in given.items() if p in ATTRIBUTE_KEYWORDS)
+    return acl_tensors, views, keywords
 
 
-def _prepare_forward_v2(query, key, value, real_shift, drop_mask, padding_mask, atten_mask, prefix,
-                        q_start_idx, kv_start_idx, scale_value, keep_prob, pre_tokens, next_tokens, head_num,
-                        input_layout, inner_precise, sparse_mode, pse_type, softmax_max_out, softmax_sum_out,
-                        softmax_out_out, attention_out_out):
-    op = contract.FORWARD
-    named = {"query": query, "key": key, "value": value, "realShift": real_shift, "dropMask": drop_mask,
-             "paddingMask": padding_mask, "attenMask": atten_mask, "softmaxMaxOut": softmax_max_out,
-             "softmaxSumOut": softmax_sum_out, "softmaxOutOut": softmax_out_out,
-             "attentionOutOut": attention_out_out}
-    t = _tensors(op, named)
-    problem = contract.check_forward(
-        t["query"], t["key"], t["value"], head_num, input_layout, pse=t["realShift"], drop_mask=t["dropMask"],
-        atten_mask=t["attenMask"], prefix=as_ints(op, "prefix", prefix),
-        q_start_idx=as_ints(op, "qStartIdx", q_start_idx), kv_start_idx=as_ints(op, "kvStartIdx", kv_start_idx),
-        scale_value=scale_value, keep_prob=keep_prob, pre_tokens=pre_tokens, next_tokens=next_tokens,
-        inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type,
-        softmax_max_out=t["softmaxMaxOut"], softmax_sum_out=t["softmaxSumOut"],
-        attention_out=t["attentionOutOut"], cann_limits=True)
-    _check_formats(op, named)
+def forward_prepare(contract_module, params: tuple[str, ...]):
+    """The ``prepare(*args)`` of a forward API taking ``params`` (CANN's order) for :func:`two_phase`:
+    ``contract_module.check_forward`` validates, the run writes attentionOut, softmaxMax and softmaxSum."""
+    op = contract_module.FORWARD
 
-    def run():
-        out, softmax_max, softmax_sum = contract.run_forward(problem)
-        write_output(t["attentionOutOut"], out)
-        write_output(t["softmaxMaxOut"], softmax_max)
-        write_output(t["softmaxSumOut"], softmax_sum)
-    return run
+    def prepare(*args):
+        acl_tensors, t, keywords = _arguments(op, params, args)
+        problem = contract_module.check_forward(**keywords, cann_limits=True)
+        check_formats_nd(op, acl_tensors)
+
+        def run():
+            out, softmax_max, softmax_sum = contract_module.run_forward(problem)
+            write_output(t["attentionOutOut"], out)
+            write_output(t["softmaxMaxOut"], softmax_max)
+            write_output(t["softmaxSumOut"], softmax_sum)
+        return run
+    return prepare
 
 
-def _prepare_forward(query, key, value, real_shift, drop_mask, padding_mask, atten_mask, prefix, scale_value,
-                     keep_prob, pre_tokens, next_tokens, head_num, input_layout, inner_precise, sparse_mode,
-                     softmax_max_out, softmax_sum_out, softmax_out_out, attention_out_out):
-    return _prepare_forward_v2(query, key, value, real_shift, drop_mask, padding_mask, atten_mask, prefix, None,
-                               None, scale_value, keep_prob, pre_tokens, next_tokens, head_num, input_layout,
-                               inner_precise, sparse_mode, 1, softmax_max_out, softmax_sum_out, softmax_out_out,
-                               attention_out_out)
+def grad_prepare(contract_module, params: tuple[str, ...]):
+    """The ``prepare(*args)`` of a grad API taking ``params`` (CANN's order) for :func:`two_phase`:
+    ``contract_module.check_backward`` validates (None: all outputs empty, CANN returns success and computes
+    nothing), the run writes dq, dk and dv."""
+    op = contract_module.BACKWARD
 
+    def prepare(*args):
+        acl_tensors, t, keywords = _arguments(op, params, args)
+        problem = contract_module.check_backward(**keywords, cann_limits=True)
+        if problem is None:
+            return no_work
+        check_formats_nd(op, acl_tensors)
 
-def _prepare_grad_v2(query, key_in, value, dy, pse_shift, drop_mask, padding_mask, atten_mask, softmax_max,
-                     softmax_sum, softmax_in, attention_in, prefix, q_start_idx, kv_start_idx, scale_value,
-                     keep_prob, pre_tokens, next_tokens, head_num, input_layout, inner_precise, sparse_mode,
-                     pse_type, dq_out, dk_out, dv_out, dpse_out):
-    op = contract.BACKWARD
-    named = {"query": query, "keyIn": key_in, "value": value, "dy": dy, "pseShift": pse_shift,
-             "dropMask": drop_mask, "paddingMask": padding_mask, "attenMask": atten_mask,
-             "softmaxMax": softmax_max, "softmaxSum": softmax_sum, "softmaxIn": softmax_in,
-             "attentionIn": attention_in, "dqOut": dq_out, "dkOut": dk_out, "dvOut": dv_out, "dpseOut": dpse_out}
-    t = _tensors(op, named)
-    problem = contract.check_backward(
-        t["query"], t["keyIn"], t["value"], t["dy"], head_num, input_layout, pse=t["pseShift"],
-        drop_mask=t["dropMask"], atten_mask=t["attenMask"], softmax_max=t["softmaxMax"],
-        softmax_sum=t["softmaxSum"], attention_in=t["attentionIn"], prefix=as_ints(op, "prefix", prefix),
-        q_start_idx=as_ints(op, "qStartIdx", q_start_idx), kv_start_idx=as_ints(op, "kvStartIdx", kv_start_idx),
-        scale_value=scale_value, keep_prob=keep_prob, pre_tokens=pre_tokens, next_tokens=next_tokens,
-        inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type, dq_out=t["dqOut"],
-        dk_out=t["dkOut"], dv_out=t["dvOut"], cann_limits=True)
-    if problem is None:  # all outputs empty: CANN returns success and computes nothing
-        return lambda: None
-    _check_formats(op, named)
-
-    def run():
-        for name, grad in zip(("dqOut", "dkOut", "dvOut"), contract.run_backward(problem)):
-            write_output(t[name], grad)
-    return run
-
-
-def _prepare_grad(query, key_in, value, dy, pse_shift, drop_mask, padding_mask, atten_mask, softmax_max,
-                  softmax_sum, softmax_in, attention_in, prefix, scale_value, keep_prob, pre_tokens, next_tokens,
-                  head_num, input_layout, inner_precise, sparse_mode, dq_out, dk_out, dv_out, dpse_out):
-    return _prepare_grad_v2(query, key_in, value, dy, pse_shift, drop_mask, padding_mask, atten_mask, softmax_max,
-                            softmax_sum, softmax_in, attention_in, prefix, None, None, scale_value, keep_prob,
-                            pre_tokens, next_tokens, head_num, input_layout, inner_precise, sparse_mode, 1,
-                            dq_out, dk_out, dv_out, dpse_out)
+        def run():
+            for name, grad in zip(("dqOut", "dkOut", "dvOut"), contract_module.run_backward(problem)):
+                write_output(t[name], grad)
+        return run
+    return prepare
 
 
 aclnnFlashAttentionScoreGetWorkspaceSize, aclnnFlashAttentionScore = two_phase(
-    "aclnnFlashAttentionScore", _prepare_forward)
+    "aclnnFlashAttentionScore", forward_prepare(contract, v1_params(FORWARD_V2_PARAMS)))
 aclnnFlashAttentionScoreV2GetWorkspaceSize, aclnnFlashAttentionScoreV2 = two_phase(
-    "aclnnFlashAttentionScoreV2", _prepare_forward_v2)
+    "aclnnFlashAttentionScoreV2", forward_prepare(contract, FORWARD_V2_PARAMS))
 aclnnFlashAttentionScoreGradGetWorkspaceSize, aclnnFlashAttentionScoreGrad = two_phase(
-    "aclnnFlashAttentionScoreGrad", _prepare_grad)
+    "aclnnFlashAttentionScoreGrad", grad_prepare(contract, v1_params(GRAD_V2_PARAMS)))
 aclnnFlashAttentionScoreGradV2GetWorkspaceSize, aclnnFlashAttentionScoreGradV2 = two_phase(
-    "aclnnFlashAttentionScoreGradV2", _prepare_grad_v2)
+    "aclnnFlashAttentionScoreGradV2", grad_prepare(contract, GRAD_V2_PARAMS))

@@ -7,25 +7,24 @@ rules (ND format, CANN's S2 and fixTriuMask limits via ``cann_limits=True``).
 from __future__ import annotations
 
 from ..ops import scaled_masked_softmax as contract
-from .executor import as_torch, check_format_nd, two_phase, write_output
+from .executor import as_torch_views, check_formats_nd, two_phase, write_output
 
 
 def _prepare_forward(x, mask, scale, fixed_triu_mask, y):
     op = contract.FORWARD
-    tx, tmask, ty = as_torch(op, "x", x), as_torch(op, "mask", mask), as_torch(op, "y", y)
+    named = {"x": x, "mask": mask, "y": y}
+    tx, tmask, ty = as_torch_views(op, named).values()
     tx, tmask, scale = contract.check_forward(tx, tmask, scale, fixed_triu_mask, ty, cann_limits=True)
-    for name, t in (("x", x), ("mask", mask), ("y", y)):
-        check_format_nd(op, name, t)
+    check_formats_nd(op, named)
     return lambda: write_output(ty, contract.forward_kernel(tx, tmask, scale))
 
 
 def _prepare_backward(grad_output, y, mask, scale, fix_triu_mask, out):
     op = contract.BACKWARD
-    go, ty, tm, to = (as_torch(op, n, t) for n, t in
-                      (("gradOutput", grad_output), ("y", y), ("mask", mask), ("out", out)))
+    named = {"gradOutput": grad_output, "y": y, "mask": mask, "out": out}
+    go, ty, tm, to = as_torch_views(op, named).values()
     go, ty, tm, scale = contract.check_backward(go, ty, tm, scale, fix_triu_mask, to, cann_limits=True)
-    for name, t in (("gradOutput", grad_output), ("y", y), ("mask", mask), ("out", out)):
-        check_format_nd(op, name, t)
+    check_formats_nd(op, named)
     return lambda: write_output(to, contract.backward_kernel(go, ty, tm, scale))
 
 

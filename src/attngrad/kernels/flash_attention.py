@@ -44,8 +44,8 @@ import torch
 from numba import njit, prange, set_parallel_chunksize
 
 from .flash_attention_plan import MASKED_LOGIT, AttentionPlan
-from .gemm import NO_TRANS, TRANS, gemm
-from .numeric import FASTMATH, exp32, narrow, widen
+from .gemm import HAS_BRGEMM, NO_TRANS, TRANS, brgemm_bf16, brgemm_release, gemm
+from .numeric import FASTMATH, exp32, fmaximum, narrow, prefer_512_bit_vectors, widen
 from .tensor_view import kernel_view
 
 _NEG = np.float32(MASKED_LOGIT)
@@ -53,7 +53,6 @@ _FLT_MAX = np.float32(-MASKED_LOGIT)
 _BQ = 256  # query rows of a tile
 _BK = 256  # key columns of a tile
 _FWD_BK = 512  # key columns of a forward tile (fewer online-softmax rescales of the accumulator)
-_LANES = 16  # independent partial maxima of a row
 _TARGET_TASKS = 8  # the backward splits keys into chunks until B*N2*chunks reaches this (when it can)
 _OUTSIDE, _INSIDE, _PARTIAL = 0, 1, 2
 
@@ -76,6 +75,14 @@ def _tile_kind(i0, rows, j0, cols, pre, nxt, pfx):
     if (j0 > i1 + nxt or j1 < i0 - pre) and j0 >= pfx:
         return _OUTSIDE
     return _PARTIAL
+
+
+@njit(inline="always")
+def _visible_cols(i0, rows, j0, cols, nxt, pfx):
+    """Leading columns of the tile [i0, i0+rows) x [j0, j0+cols) that hold every visible key (the keys after
+    ``i0 + rows - 1 + nxt`` and the prefix are excluded for all its rows), rounded up to even (AMX pairs)."""
+    last = max(i0 + rows + nxt, pfx) - j0
+    return max(min(cols, last + last % 2), 0)
 
 
 @njit(inline="always", fastmath=FASTMATH)
@@ -178,57 +185,102 @@ def _dead_row(smax, b, n, i0, rows):
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _row_max(s, r, cols, lanes):
-    """max of s[r, :cols] (nan-free rows) through 16 independent lanes, which vectorise (a plain max
-    reduction does not without the no-nan fastmath flag). A nan row is caught later by its nan sum."""
-    lanes[:] = -np.inf
-    full = cols - cols % _LANES
-    for c0 in range(0, full, _LANES):
-        for t in range(_LANES):
-            x = s[r, c0 + t]
-            lanes[t] = x if x > lanes[t] else lanes[t]
+def _row_max(s, r, cols):
+    """max of s[r, :cols] (``fmaximum``: vectorises; a nan in the row makes it nan)."""
     top = np.float32(-np.inf)
-    for c in range(full, cols):
-        top = max(top, s[r, c])
-    for t in range(_LANES):
-        top = max(top, lanes[t])
+    for c in range(cols):
+        top = fmaximum(top, s[r, c])
     return top
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
 def _forward_tile(s, p, acc, m, l, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp):
-    """Online-softmax update of one tile: s holds QK^T, gets the logits; p gets exp(S - m_new), times the
-    dropout factor M / keep_prob (the sum l takes the undropped values)."""
+    """Online-softmax update of one tile: s holds QK^T; p gets exp(S - m_new), times the dropout factor
+    M / keep_prob (the sum l takes the undropped values).
+
+    Plain tiles (no score modifier, scale > 0) keep s raw: ``max(S) = max(QK^T) * scale`` (rounding is
+    monotonic) and ``exp(QK^T * scale - m)`` in the same sweep as the rounding of P and the row sum.
+    Other tiles get their logits from :func:`_modify_scores` first (then the scale factor is 1).
+    """
+    prefer_512_bit_vectors()
     dv = acc.shape[1]
-    lanes = np.empty(_LANES, np.float32)
     dropout = ip[_DROPOUT] != 0
+    raw = not general and ip[_PSE_KIND] == _PSE_NONE and fp[0] > 0
+    scale = fp[0] if raw else np.float32(1.0)
     f = np.empty(cols, np.float32)
     for r in range(rows):
         i = i0 + r
-        _modify_scores(s, r, cols, i, j0, b, n, general, mask, pse, prefix, ip, fp)
-        new = max(m[r], _row_max(s, r, cols, lanes))
+        if not raw:
+            _modify_scores(s, r, cols, i, j0, b, n, general, mask, pse, prefix, ip, fp)
+        new = max(m[r], _row_max(s, r, cols) * scale)
         alpha = exp32(m[r] - new)
         total = np.float32(0.0)
         if dropout:
             _keep_factors(drop, ((b * ip[_N1] + n) * ip[_SQ] + i) * ip[_SKV] + j0, cols, fp[1], f)
             for c in range(cols):
-                e = exp32(s[r, c] - new)
+                e = exp32(s[r, c] * scale - new)
                 p[r, c] = narrow(e * f[c], p)
                 total += e
         else:
             for c in range(cols):
-                e = exp32(s[r, c] - new)
+                e = exp32(s[r, c] * scale - new)
                 p[r, c] = narrow(e, p)
                 total += e
         l[r] = l[r] * alpha + total
         m[r] = new
-        for d in range(dv):
-            acc[r, d] *= alpha
+        if alpha != np.float32(1.0):
+            for d in range(dv):
+                acc[r, d] *= alpha
+
+
+@njit(inline="always")
+def _pack_transposed(x, b, n, j0, cols, out):
+    """VNNI B operand of ``A x[b, n, j0:j0+cols]^T`` (:func:`brgemm_bf16`, a bf16 pair as one uint32):
+    ``out[d2 * cols + j] = (x[.., j0+j, 2*d2], x[.., j0+j, 2*d2+1])``, i.e. ``[D/2, cols]`` with row stride cols."""
+    sixteen = np.uint32(16)
+    for jb in range(0, cols, 16):  # 16 rows of x at a time: each read once, out written in runs of 16
+        for d2 in range(x.shape[3] // 2):
+            for j in range(jb, min(jb + 16, cols)):
+                out[d2 * cols + j] = (np.uint32(x[b, n, j0 + j, 2 * d2])
+                                      | (np.uint32(x[b, n, j0 + j, 2 * d2 + 1]) << sixteen))
+
+
+@njit(inline="always")
+def _pack_rows(x, b, n, j0, cols, out):
+    """VNNI B operand of ``A x[b, n, j0:j0+cols]`` (cols even): ``out[j2 * D + d] = (x[.., j0+2*j2, d],
+    x[.., j0+2*j2+1, d])``, i.e. ``[cols/2, D]`` with row stride D."""
+    sixteen = np.uint32(16)
+    D = x.shape[3]
+    for j2 in range(cols // 2):
+        for d in range(D):
+            out[j2 * D + d] = np.uint32(x[b, n, j0 + 2 * j2, d]) | (np.uint32(x[b, n, j0 + 2 * j2 + 1, d]) << sixteen)
+
+
+@njit(**_KERNEL)
+def _pack_kv_kernel(k, v, kt, vv):
+    """K and V key blocks (``_FWD_BK`` keys) packed for the forward's brgemm: ``kt[b, n2, kb]`` the B of QK^T
+    (:func:`_pack_transposed`) and ``vv[b, n2, kb]`` the B of PV (:func:`_pack_rows`; a block with an odd column
+    count is left out: MKL takes it)."""
+    B, N2, Skv, _ = k.shape
+    nkb = kt.shape[2]
+    for task in prange(B * N2 * nkb):
+        b = task // (N2 * nkb)
+        n2 = (task // nkb) % N2
+        kb = task % nkb
+        j0 = kb * _FWD_BK
+        cols = min(_FWD_BK, Skv - j0)
+        _pack_transposed(k, b, n2, j0, cols, kt[b, n2, kb])
+        if cols % 2 == 0:
+            _pack_rows(v, b, n2, j0, cols, vv[b, n2, kb])
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
-def _forward_block(q, k, v, b, n, i0, rows, mask, pse, prefix, drop, ip, fp, allow_skip, s, p, acc, m, l):
-    """One query block over all key blocks; returns True when a tile outside the visible region was skipped."""
+def _forward_block(q, k, v, kt, vv, packed, b, n, i0, rows, mask, pse, prefix, drop, ip, fp, allow_skip,
+                   s, p, acc, m, l):
+    """One query block over all key blocks; returns True when a tile outside the visible region was skipped.
+
+    ``packed``: kt / vv hold K and V packed by :func:`_pack_kv_kernel`; the two GEMMs of a tile with an even
+    column count then run on the AMX brgemm, the others on MKL."""
     n2 = n // (q.shape[1] // k.shape[1])
     D, Skv, Dv = q.shape[3], k.shape[2], v.shape[3]
     BK = s.shape[1]
@@ -237,22 +289,32 @@ def _forward_block(q, k, v, b, n, i0, rows, mask, pse, prefix, drop, ip, fp, all
     acc[:] = 0.0
     skipped = False
     for j0 in range(0, Skv, BK):
-        cols = min(BK, Skv - j0)
+        block = min(BK, Skv - j0)  # the key block's width (the row stride of its packed K^T)
+        cols = _visible_cols(i0, rows, j0, block, ip[_NXT], prefix[b]) if allow_skip else block
+        skipped |= cols < block
         kind = _tile_kind(i0, rows, j0, cols, ip[_PRE], ip[_NXT], prefix[b])
-        if kind == _OUTSIDE and allow_skip:
+        if cols == 0 or (kind == _OUTSIDE and allow_skip):
             skipped = True
             continue
-        gemm(q, NO_TRANS, TRANS, rows, cols, D, 1.0, _ptr(q, b, n, i0), D, _ptr(k, b, n2, j0), D,
-             0.0, s.ctypes.data, BK)
+        amx = packed and block % 2 == 0
+        if amx:
+            brgemm_bf16(rows, cols, D, D, block, BK, False, _ptr(q, b, n, i0), _ptr(kt, b, n2, j0 // BK),
+                        s.ctypes.data)
+        else:
+            gemm(q, NO_TRANS, TRANS, rows, cols, D, 1.0, _ptr(q, b, n, i0), D, _ptr(k, b, n2, j0), D,
+                 0.0, s.ctypes.data, BK)
         general = ip[_HAS_MASK] != 0 or kind != _INSIDE
         _forward_tile(s, p, acc, m, l, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp)
-        gemm(q, NO_TRANS, NO_TRANS, rows, Dv, cols, 1.0, p.ctypes.data, BK, _ptr(v, b, n2, j0), Dv,
-             1.0, acc.ctypes.data, Dv)
+        if amx:
+            brgemm_bf16(rows, Dv, cols, BK, Dv, Dv, True, p.ctypes.data, _ptr(vv, b, n2, j0 // BK), acc.ctypes.data)
+        else:
+            gemm(q, NO_TRANS, NO_TRANS, rows, Dv, cols, 1.0, p.ctypes.data, BK, _ptr(v, b, n2, j0), Dv,
+                 1.0, acc.ctypes.data, Dv)
     return skipped
 
 
 @njit(**_KERNEL)
-def _forward_kernel(q, k, v, mask, pse, prefix, drop, ip, fp, invalid_rows, out, smax, ssum):
+def _forward_kernel(q, k, v, kt, vv, packed, mask, pse, prefix, drop, ip, fp, invalid_rows, out, smax, ssum):
     B, N1, Sq, _ = q.shape
     Dv = v.shape[3]
     nqb = (Sq + _BQ - 1) // _BQ
@@ -266,13 +328,16 @@ def _forward_kernel(q, k, v, mask, pse, prefix, drop, ip, fp, invalid_rows, out,
         acc = np.empty((_BQ, Dv), np.float32)
         m = np.empty(_BQ, np.float32)
         l = np.empty(_BQ, np.float32)
-        if (_forward_block(q, k, v, b, n, i0, rows, mask, pse, prefix, drop, ip, fp, True, s, p, acc, m, l)
+        if (_forward_block(q, k, v, kt, vv, packed, b, n, i0, rows, mask, pse, prefix, drop, ip, fp, True,
+                           s, p, acc, m, l)
                 and not invalid_rows):
             for r in range(rows):  # a fully masked row sums exp(0) over ALL keys: redo without skipping
                 if not m[r] > _NEG:
-                    _forward_block(q, k, v, b, n, i0, rows, mask, pse, prefix, drop, ip, fp, False,
-                                   s, p, acc, m, l)
+                    _forward_block(q, k, v, kt, vv, packed, b, n, i0, rows, mask, pse, prefix, drop, ip, fp,
+                                   False, s, p, acc, m, l)
                     break
+        if packed:
+            brgemm_release()
         for r in range(rows):
             dead = not m[r] > _NEG
             if dead and invalid_rows:
@@ -305,27 +370,32 @@ def _row_dot_kernel(dy, out, dr):
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
 def _backward_tile(s, dp, pt, dst, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp,
                    smax, ssum, dr, dpse):
-    """P = exp(S - max) / sum; Pd = P M / keep_prob -> pt and dS = P (dP M / keep_prob - Dr) -> dst (input
+    """P = exp(S - max) * (1 / sum); Pd = P M / keep_prob -> pt and dS = P (dP M / keep_prob - Dr) -> dst (input
     dtype); with ``ip[_DPSE]`` dS (times scale for pse_type 1) is added into dpse[b, n, i or 0, j]
-    (0 for rows whose max is the fully-masked fill: their logits do not depend on pse)."""
+    (0 for rows whose max is the fully-masked fill: their logits do not depend on pse). Plain tiles (no score
+    modifier) keep s raw and scale it inside the exp sweep."""
+    prefer_512_bit_vectors()
     dropout = ip[_DROPOUT] != 0
+    raw = not general and ip[_PSE_KIND] == _PSE_NONE
+    scale = fp[0] if raw else np.float32(1.0)
     f = np.empty(cols, np.float32)
     for r in range(rows):
         i = i0 + r
         mr = smax[b, n, i]
-        lr = ssum[b, n, i]
+        inv_l = np.float32(1.0) / ssum[b, n, i]
         dri = dr[b, n, i]
-        _modify_scores(s, r, cols, i, j0, b, n, general, mask, pse, prefix, ip, fp)
+        if not raw:
+            _modify_scores(s, r, cols, i, j0, b, n, general, mask, pse, prefix, ip, fp)
         if dropout:
             _keep_factors(drop, ((b * ip[_N1] + n) * ip[_SQ] + i) * ip[_SKV] + j0, cols, fp[1], f)
             for c in range(cols):
-                pr = exp32(s[r, c] - mr) / lr
+                pr = exp32(s[r, c] * scale - mr) * inv_l
                 pt[r, c] = narrow(pr * f[c], pt)
                 s[r, c] = pr * (dp[r, c] * f[c] - dri)
                 dst[r, c] = narrow(s[r, c], dst)
         else:
             for c in range(cols):
-                pr = exp32(s[r, c] - mr) / lr
+                pr = exp32(s[r, c] * scale - mr) * inv_l
                 pt[r, c] = narrow(pr, pt)
                 s[r, c] = pr * (dp[r, c] - dri)
                 dst[r, c] = narrow(s[r, c], dst)
@@ -338,8 +408,11 @@ def _backward_tile(s, dp, pt, dst, rows, cols, general, b, n, i0, j0, mask, pse,
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
 def _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, b, n2, j0, chunk,
-                        dq_acc, s, dp, pt, dst, dk_acc, dv_acc, dpse):
-    """dK/dV of keys [j0, j0+BK) over the G query heads and all query blocks; dQ into dq_acc[chunk]."""
+                        dq_acc, s, dp, pt, dst, dk_acc, dv_acc, dpse, packed, kt, vt, kr):
+    """dK/dV of keys [j0, j0+BK) over the G query heads and all query blocks; dQ into dq_acc[chunk].
+
+    ``packed`` (bf16, even D and Dv, AMX): QK^T, dY V^T and dS K run on the brgemm with the block's K^T, V^T
+    and K packed once into kt, vt and kr; the dV and dK GEMMs (transposed A) and odd blocks stay on MKL."""
     N1, Sq, D = q.shape[1], q.shape[2], q.shape[3]
     G = N1 // k.shape[1]
     Skv, Dv = k.shape[2], v.shape[3]
@@ -347,6 +420,11 @@ def _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip
     cols = min(BK, Skv - j0)
     dk_acc[:] = 0.0
     dv_acc[:] = 0.0
+    amx = packed and cols % 2 == 0
+    if amx:
+        _pack_transposed(k, b, n2, j0, cols, kt)
+        _pack_transposed(v, b, n2, j0, cols, vt)
+        _pack_rows(k, b, n2, j0, cols, kr)
     for n in range(n2 * G, n2 * G + G):
         for i0 in range(0, Sq, BQ):
             rows = min(BQ, Sq - i0)
@@ -354,20 +432,28 @@ def _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip
             if kind == _OUTSIDE and not _dead_row(smax, b, n, i0, rows):
                 continue  # P = exp(-FLT_MAX - max) = 0 on the whole tile
             qp, dyp = _ptr(q, b, n, i0), _ptr(dy, b, n, i0)
-            gemm(q, NO_TRANS, TRANS, rows, cols, D, 1.0, qp, D, _ptr(k, b, n2, j0), D, 0.0, s.ctypes.data, BK)
-            gemm(q, NO_TRANS, TRANS, rows, cols, Dv, 1.0, dyp, Dv, _ptr(v, b, n2, j0), Dv, 0.0, dp.ctypes.data, BK)
+            if amx:
+                brgemm_bf16(rows, cols, D, D, cols, BK, False, qp, kt.ctypes.data, s.ctypes.data)
+                brgemm_bf16(rows, cols, Dv, Dv, cols, BK, False, dyp, vt.ctypes.data, dp.ctypes.data)
+            else:
+                gemm(q, NO_TRANS, TRANS, rows, cols, D, 1.0, qp, D, _ptr(k, b, n2, j0), D, 0.0, s.ctypes.data, BK)
+                gemm(q, NO_TRANS, TRANS, rows, cols, Dv, 1.0, dyp, Dv, _ptr(v, b, n2, j0), Dv, 0.0, dp.ctypes.data,
+                     BK)
             general = ip[_HAS_MASK] != 0 or kind != _INSIDE
             _backward_tile(s, dp, pt, dst, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp,
                            smax, ssum, dr, dpse)
             gemm(q, TRANS, NO_TRANS, cols, Dv, rows, 1.0, pt.ctypes.data, BK, dyp, Dv, 1.0, dv_acc.ctypes.data, Dv)
             gemm(q, TRANS, NO_TRANS, cols, D, rows, 1.0, dst.ctypes.data, BK, qp, D, 1.0, dk_acc.ctypes.data, D)
             dq_ptr = dq_acc.ctypes.data + (((chunk * dq_acc.shape[1] + b) * N1 + n) * Sq + i0) * D * 4
-            gemm(q, NO_TRANS, NO_TRANS, rows, D, cols, 1.0, dst.ctypes.data, BK, _ptr(k, b, n2, j0), D, 1.0,
-                 dq_ptr, D)
+            if amx:
+                brgemm_bf16(rows, D, cols, BK, D, D, True, dst.ctypes.data, kr.ctypes.data, dq_ptr)
+            else:
+                gemm(q, NO_TRANS, NO_TRANS, rows, D, cols, 1.0, dst.ctypes.data, BK, _ptr(k, b, n2, j0), D, 1.0,
+                     dq_ptr, D)
 
 
 @njit(**_KERNEL)
-def _backward_kernel(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, dq_acc, dk, dv, dpse):
+def _backward_kernel(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, packed, dq_acc, dk, dv, dpse):
     B, N2, Skv, D = k.shape
     Dv = v.shape[3]
     chunks = dq_acc.shape[0]
@@ -383,15 +469,20 @@ def _backward_kernel(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, f
         dst = np.empty((_BQ, _BK), q.dtype)
         dk_acc = np.empty((_BK, D), np.float32)
         dv_acc = np.empty((_BK, Dv), np.float32)
+        kt = np.empty(_BK * D // 2 if packed else 1, np.uint32)
+        vt = np.empty(_BK * Dv // 2 if packed else 1, np.uint32)
+        kr = np.empty(_BK * D // 2 if packed else 1, np.uint32)
         for kb in range(chunk * nkb // chunks, (chunk + 1) * nkb // chunks):
             j0 = kb * _BK
             _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, b, n2, j0,
-                                chunk, dq_acc, s, dp, pt, dst, dk_acc, dv_acc, dpse)
+                                chunk, dq_acc, s, dp, pt, dst, dk_acc, dv_acc, dpse, packed, kt, vt, kr)
             for r in range(min(_BK, Skv - j0)):
                 for d in range(D):
                     dk[b, n2, j0 + r, d] = narrow(dk_acc[r, d] * scale, dk)
                 for d in range(Dv):
                     dv[b, n2, j0 + r, d] = narrow(dv_acc[r, d], dv)
+        if packed:
+            brgemm_release()
 
 
 @njit(**_KERNEL)
@@ -469,6 +560,24 @@ def _plan_args(plan: AttentionPlan, q: torch.Tensor, skv: int, dpse: bool = Fals
     return mask, pse, prefix, drop, ip, fp
 
 
+def _use_brgemm(q: torch.Tensor, d: int, dv: int) -> bool:
+    """The AMX brgemm serves bfloat16 with even head dims (VNNI pairs) where torch exports it."""
+    return HAS_BRGEMM and q.dtype == torch.bfloat16 and d % 2 == 0 and dv % 2 == 0
+
+
+def _packed_kv(q: torch.Tensor, kv: np.ndarray, vv: np.ndarray) -> tuple:
+    """(kt, vt, packed): K and V packed for the forward's AMX brgemm (:func:`_use_brgemm`), else placeholders."""
+    b, n2, skv, d = kv.shape
+    if not _use_brgemm(q, d, vv.shape[3]):
+        placeholder = np.zeros((1, 1, 1, 1), np.uint32)
+        return placeholder, placeholder, False
+    nkb = -(-skv // _FWD_BK)
+    kt = np.empty((b, n2, nkb, _FWD_BK * d // 2), np.uint32)
+    vt = np.empty((b, n2, nkb, _FWD_BK * vv.shape[3] // 2), np.uint32)
+    _pack_kv_kernel(kv, vv, kt, vt)
+    return kt, vt, True
+
+
 def flash_attention_forward(q, k, v, plan: AttentionPlan):
     """Returns ``(out [B,N1,Sq,Dv] input dtype, softmax_max [B,N1,Sq] fp32, softmax_sum [B,N1,Sq] fp32)``.
 
@@ -479,7 +588,8 @@ def flash_attention_forward(q, k, v, plan: AttentionPlan):
     out = torch.empty(B, N1, Sq, v.shape[3], dtype=q.dtype)
     smax = torch.empty(B, N1, Sq, dtype=torch.float32)
     ssum = torch.empty(B, N1, Sq, dtype=torch.float32)
-    _dynamic(_forward_kernel, _view(q), _view(k), _view(v), *_plan_args(plan, q, k.shape[2]),
+    qv, kv, vv = _view(q), _view(k), _view(v)
+    _dynamic(_forward_kernel, qv, kv, vv, *_packed_kv(q, kv, vv), *_plan_args(plan, q, k.shape[2]),
              bool(plan.invalid_rows), kernel_view(out), smax.numpy(), ssum.numpy())
     return out, smax, ssum
 
@@ -536,7 +646,8 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     smax = softmax_max.detach().float().contiguous().numpy()
     ssum = softmax_sum.detach().float().contiguous().numpy()
     args = _plan_args(plan, q, Skv, want_dpse)
-    _dynamic(_backward_kernel, _view(q), _view(k), _view(v), dyv, smax, ssum, dr, *args, dq_acc,
+    packed = _use_brgemm(q, D, v.shape[3])
+    _dynamic(_backward_kernel, _view(q), _view(k), _view(v), dyv, smax, ssum, dr, *args, packed, dq_acc,
              kernel_view(dk), kernel_view(dv), dpse)
     _finish_dq_kernel(dq_acc, args[-1][0], kernel_view(dq))
     return dq, dk, dv, _reduce_dpse(plan, dpse) if want_dpse else None

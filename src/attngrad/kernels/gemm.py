@@ -14,6 +14,12 @@ torch never oversubscribe the cores.
 
 Matrices are row-major and addressed by raw pointers (``int`` addresses, e.g. ``a.ctypes.data`` plus an
 offset in bytes) with leading dimensions in elements.
+
+``brgemm_bf16`` is torch's own AMX micro-kernel entry (``at::native::cpublas::brgemm``, the one of torch's
+CPU flash attention; exported by ``libtorch_cpu``): bf16 A ``[m, k]`` times a B that is pre-packed in the
+VNNI layout (``B[k, n]`` stored at ``[k // 2, n, k % 2]``, i.e. row pairs interleaved), fp32 C. With B packed once
+and reused it runs the small attention tiles ~1.5-2x faster than MKL, which repacks B on every call.
+``HAS_BRGEMM`` says whether it is usable (symbol present, CPU with AMX-BF16); callers fall back to ``gemm``.
 """
 
 from __future__ import annotations
@@ -24,8 +30,11 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 from llvmlite import binding as llvm
 from numba import njit, types
+from numba.core import config
+from numba.core.codegen import get_host_cpu_features
 from numba.extending import overload
 
 ROW_MAJOR = 101
@@ -53,8 +62,15 @@ def _load() -> ctypes.CDLL:
     lib.MKL_Set_Threading_Layer.argtypes = [ctypes.c_int]
     lib.MKL_Set_Threading_Layer.restype = ctypes.c_int
     lib.MKL_Set_Threading_Layer(_MKL_THREADING_SEQUENTIAL)
-    llvm.load_library_permanently(path)  # numba resolves the cblas symbols by name: cacheable kernels
+    for name in ("cblas_gemm_bf16bf16f32", "cblas_gemm_f16f16f32", "cblas_sgemm"):
+        _bind_symbol(lib, name)
     return lib
+
+
+def _bind_symbol(lib: ctypes.CDLL, name: str) -> None:
+    """Resolve ``name`` in numba's code (compiled or loaded from the cache) to this library's function, whatever
+    other library also exports it (libtorch_cpu carries its own, OpenMP-threaded, MKL)."""
+    llvm.add_symbol(name, ctypes.cast(getattr(lib, name), ctypes.c_void_p).value)
 
 
 _LIB = _load()
@@ -88,3 +104,40 @@ def _gemm_for_test(a, b, c, trans_b):  # used by the tests and as a smoke check 
     n = c.shape[1]
     gemm(a, NO_TRANS, TRANS if trans_b else NO_TRANS, m, n, k, 1.0, a.ctypes.data, k, b.ctypes.data,
          b.shape[1], 0.0, c.ctypes.data, n)
+
+
+_BRGEMM_SYMBOL = "_ZN2at6native7cpublas6brgemmEllllllbPKN3c108BFloat16ES5_Pfb"
+_RELEASE_SYMBOL = "_ZN2at6native7cpublas14brgemm_releaseEb"
+
+
+def _load_brgemm() -> bool:
+    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
+    if "+amx-bf16" not in features.split(","):
+        return False
+    path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        lib = ctypes.CDLL(str(path))
+        for name in (_BRGEMM_SYMBOL, _RELEASE_SYMBOL):
+            _bind_symbol(lib, name)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+HAS_BRGEMM = _load_brgemm()
+_i64 = types.int64
+_brgemm = types.ExternalFunction(_BRGEMM_SYMBOL, types.void(_i64, _i64, _i64, _i64, _i64, _i64, types.boolean,
+                                                             types.intp, types.intp, types.intp, types.boolean))
+_release = types.ExternalFunction(_RELEASE_SYMBOL, types.void(types.boolean))
+
+
+@njit(inline="always")
+def brgemm_bf16(m, n, k, lda, ldb, ldc, accumulate, a, b, c):
+    """C[m,n] (fp32, leading dim ldc) (+)= A[m,k] (bf16, lda) B[k,n] (bf16 VNNI-packed, ldb = n's stride)."""
+    _brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, True)
+
+
+@njit(inline="always")
+def brgemm_release():
+    """Release the AMX state of the calling thread (after its last ``brgemm_bf16`` of a task)."""
+    _release(True)

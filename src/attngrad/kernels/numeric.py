@@ -170,14 +170,27 @@ def _f16_to_f32(h):
     return bits_f32(f32_bits(mag) | sign)
 
 
-@njit(inline="always")
-def _f32_to_bf16(v):
-    u = f32_bits(v)
-    quiet_nan = (u >> np.uint32(16)) | np.uint32(0x40)
-    lsb = (u >> np.uint32(16)) & np.uint32(1)
-    rounded = (u + np.uint32(0x7FFF) + lsb) >> np.uint32(16)
-    # one return: several inlined copies of a multi-return function upset numba's SSA check
-    return np.uint16(quiet_nan if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else rounded)
+@intrinsic
+def _f32_to_bf16(typingctx, v):
+    """float32 -> bfloat16 bits (uint16), round half to even; nan -> its quiet nan (sign and top payload kept).
+
+    Written in LLVM IR so that every step stays in 32-bit lanes (numba widens uint32 arithmetic to 64 bits,
+    which halves the vector width of the kernels' output loops).
+    """
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        c = lambda value: ir.Constant(i32, value)  # noqa: E731
+        u = builder.bitcast(args[0], i32)
+        high = builder.lshr(u, c(16))
+        rounded = builder.lshr(builder.add(builder.add(u, c(0x7FFF)), builder.and_(high, c(1))), c(16))
+        is_nan = builder.icmp_unsigned(">", builder.and_(u, c(0x7FFFFFFF)), c(0x7F800000))
+        bits = builder.select(is_nan, builder.or_(high, c(0x40)), rounded)
+        return builder.trunc(bits, ir.IntType(16))
+
+    return types.uint16(v), codegen
 
 
 @njit(inline="always")
@@ -236,21 +249,20 @@ _P3 = np.float32(4.1665795894e-2)
 _P4 = np.float32(1.6666665459e-1)
 _P5 = np.float32(5.0000001201e-1)
 _EXP_LO = np.float32(-88.0)  # rint(-88 / ln2) = -127: 2^n is built as +0.0, so exp(<= -88) = 0 and exp(-inf) = 0
-_EXP_HI = np.float32(89.0)  # n stops at 127; p * 2^127 > FLT_MAX from x = ln(FLT_MAX) = 88.7228 on: +inf
 
 
 @njit(inline="always", fastmath=FASTMATH)
 def exp32(x):
     """float32 exp that numba vectorises (np.exp does not here). Relative error < 5e-7.
 
-    exp(x) for x <= -87.68 is 0 (the exact results there are below 1.2e-38 * 0.7); from ln(FLT_MAX) on
-    the result overflows to +inf through the final product; nan stays nan; exp(-inf) = 0.
-    Branch-free: the clamps compile to vmaxps/vminps, so nan is restored at the end.
+    exp(x) for x <= -87.68 is 0 (the exact results there are below 1.2e-38 * 0.7); nan stays nan;
+    exp(-inf) = 0. No upper clamp: n stops at 127, so from ln(FLT_MAX) = 88.7228 on the polynomial
+    exceeds 2 and p * 2^127 overflows to +inf (also for x = +inf: every term of p is positive).
+    Branch-free (vmaxps, vminps, blends); nan is restored at the end.
     """
-    xc = x if x > _EXP_LO else _EXP_LO
-    xc = xc if xc < _EXP_HI else _EXP_HI
+    xc = x if x > _EXP_LO else _EXP_LO  # nan -> _EXP_LO
     n = _rint(xc * _LOG2E)
-    n = n if n < np.float32(127.0) else np.float32(127.0)  # for x in [88.38, 89]: r up to 0.97, 2^n finite
+    n = n if n < np.float32(127.0) else np.float32(127.0)
     r = xc - n * _LN2_HI - n * _LN2_LO
     p = ((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5
     p = p * r * r + r + np.float32(1.0)

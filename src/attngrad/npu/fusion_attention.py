@@ -63,27 +63,20 @@ def _drop_mask(keep_prob, dropout_mask, seed, offset, numels):
     return generate_drop_mask(seed, offset, numels, keep_prob)
 
 
-def _forward(query, key, value, head_num, input_layout, seed, offset, keep_prob, dropout_mask, **kw):
-    numels = _numels(query, key, head_num, input_layout, kw.get("actual_seq_qlen"), kw.get("actual_seq_kvlen"))
-    drop_mask = _drop_mask(keep_prob, dropout_mask, seed, offset, numels)
-    out, softmax_max, softmax_sum = flash_attention_score(query, key, value, head_num, input_layout,
-                                                          keep_prob=keep_prob, drop_mask=drop_mask, **kw)
-    return out, softmax_max, softmax_sum, _empty_like(query), seed, offset, numels
-
-
 def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
                          scale=1., keep_prob=1., pre_tockens=2147483647, next_tockens=2147483647, inner_precise=0,
                          prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
                          gen_mask_parallel=True, sync=False, softmax_layout="", sink=None, dropout_mask=None,
                          seed=0, offset=0):
     """torch_npu ``npu_fusion_attention`` -> ``(attention_out, softmax_max, softmax_sum, softmax_out, seed,
-    offset, numels)``."""
+    offset, numels)``: :func:`npu_fusion_attention_v2` with pse_type 1."""
     _reject_unsupported(_FORWARD, sink=sink)
-    return _forward(query, key, value, head_num, input_layout, seed, offset, keep_prob, dropout_mask, pse=pse,
-                    padding_mask=padding_mask, atten_mask=atten_mask, scale_value=scale,
-                    pre_tokens=pre_tockens, next_tokens=next_tockens, inner_precise=inner_precise, prefix=prefix,
-                    actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode,
-                    softmax_layout=softmax_layout)
+    return npu_fusion_attention_v2(
+        query, key, value, head_num, input_layout, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask,
+        scale=scale, keep_prob=keep_prob, pre_tokens=pre_tockens, next_tokens=next_tockens,
+        inner_precise=inner_precise, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
+        actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, softmax_layout=softmax_layout,
+        dropout_mask=dropout_mask, seed=seed, offset=offset)
 
 
 def npu_fusion_attention_v2(query, key, value, head_num, input_layout, *, pse=None, padding_mask=None,
@@ -94,22 +87,15 @@ def npu_fusion_attention_v2(query, key, value, head_num, input_layout, *, pse=No
                             sink=None, dropout_mask=None, seed=0, offset=0):
     """torch_npu ``npu_fusion_attention_v2``: v1 plus pse_type, q/kv_start_idx (and rope, not supported)."""
     _reject_unsupported(_FORWARD + "_v2", query_rope=query_rope, key_rope=key_rope, sink=sink)
-    return _forward(query, key, value, head_num, input_layout, seed, offset, keep_prob, dropout_mask, pse=pse,
-                    padding_mask=padding_mask, atten_mask=atten_mask, scale_value=scale,
-                    pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise, prefix=prefix,
-                    actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode,
-                    pse_type=pse_type, q_start_idx=q_start_idx, kv_start_idx=kv_start_idx,
-                    softmax_layout=softmax_layout)
-
-
-def _grad(query, key, value, dy, head_num, input_layout, pse, seed, offset, numels, **kw):
-    """The grad with the drop mask regenerated from (seed, offset, numels) (numels 0: from the shapes)."""
-    numels = numels or _numels(query, key, head_num, input_layout, kw.get("actual_seq_qlen"),
-                               kw.get("actual_seq_kvlen"))
-    drop_mask = _drop_mask(kw["keep_prob"], None, seed, offset, numels)
-    dq, dk, dv, dpse = flash_attention_score_grad(query, key, value, dy, head_num, input_layout, pse=pse,
-                                                  drop_mask=drop_mask, **kw)
-    return dq, dk, dv, _empty_like(query) if dpse is None else dpse
+    numels = _numels(query, key, head_num, input_layout, actual_seq_qlen, actual_seq_kvlen)
+    drop_mask = _drop_mask(keep_prob, dropout_mask, seed, offset, numels)
+    out, softmax_max, softmax_sum = flash_attention_score(
+        query, key, value, head_num, input_layout, pse=pse, drop_mask=drop_mask, padding_mask=padding_mask,
+        atten_mask=atten_mask, prefix=prefix, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
+        q_start_idx=q_start_idx, kv_start_idx=kv_start_idx, scale_value=scale, keep_prob=keep_prob,
+        pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode,
+        pse_type=pse_type, softmax_layout=softmax_layout)
+    return out, softmax_max, softmax_sum, _empty_like(query), seed, offset, numels
 
 
 def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
@@ -118,17 +104,17 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
                               next_tockens=2147483647, inner_precise=0, seed=0, offset=0, numels=0, prefix=None,
                               actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
                               sync=False, softmax_layout="", sink=None):
-    """torch_npu ``npu_fusion_attention_grad`` -> ``(dq, dk, dv, dpse, dsink)`` (pseType 1)."""
+    """torch_npu ``npu_fusion_attention_grad`` -> ``(dq, dk, dv, dpse, dsink)``:
+    :func:`npu_fusion_attention_grad_v2` with pse_type 1."""
     _reject_unsupported(_GRAD, sink=sink)
-    dq, dk, dv, dpse = _grad(query, key, value, dy, head_num, input_layout, pse, seed, offset, numels,
-                             padding_mask=padding_mask,
-                             atten_mask=atten_mask, softmax_max=softmax_max, softmax_sum=softmax_sum,
-                             softmax_in=softmax_in, attention_in=attention_in, scale_value=scale_value,
-                             keep_prob=keep_prob, pre_tokens=pre_tockens, next_tokens=next_tockens,
-                             inner_precise=inner_precise, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
-                             actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode,
-                             softmax_layout=softmax_layout)
-    return dq, dk, dv, dpse, _empty_like(query)
+    dq, dk, dv, dpse, _, _, dsink = npu_fusion_attention_grad_v2(
+        query, key, value, dy, head_num, input_layout, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask,
+        softmax_max=softmax_max, softmax_sum=softmax_sum, softmax_in=softmax_in, attention_in=attention_in,
+        scale_value=scale_value, keep_prob=keep_prob, pre_tokens=pre_tockens, next_tokens=next_tockens,
+        inner_precise=inner_precise, seed=seed, offset=offset, numels=numels, prefix=prefix,
+        actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode,
+        softmax_layout=softmax_layout)
+    return dq, dk, dv, dpse, dsink
 
 
 def npu_fusion_attention_grad_v2(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
@@ -138,15 +124,17 @@ def npu_fusion_attention_grad_v2(query, key, value, dy, head_num, input_layout, 
                                  numels=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
                                  sparse_mode=0, gen_mask_parallel=True, sync=False, pse_type=1, q_start_idx=None,
                                  kv_start_idx=None, softmax_layout="", sink=None):
-    """torch_npu ``npu_fusion_attention_grad_v2`` -> ``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)``."""
+    """torch_npu ``npu_fusion_attention_grad_v2`` -> ``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)``; the drop
+    mask is regenerated from (seed, offset, numels) (numels 0: from the shapes)."""
     _reject_unsupported(_GRAD + "_v2", query_rope=query_rope, key_rope=key_rope, sink=sink)
-    dq, dk, dv, dpse = _grad(query, key, value, dy, head_num, input_layout, pse, seed, offset, numels,
-                             padding_mask=padding_mask,
-                             atten_mask=atten_mask, softmax_max=softmax_max, softmax_sum=softmax_sum,
-                             softmax_in=softmax_in, attention_in=attention_in, scale_value=scale_value,
-                             keep_prob=keep_prob, pre_tokens=pre_tokens, next_tokens=next_tokens,
-                             inner_precise=inner_precise, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
-                             actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, pse_type=pse_type,
-                             q_start_idx=q_start_idx, kv_start_idx=kv_start_idx, softmax_layout=softmax_layout)
+    numels = numels or _numels(query, key, head_num, input_layout, actual_seq_qlen, actual_seq_kvlen)
+    drop_mask = _drop_mask(keep_prob, None, seed, offset, numels)
+    dq, dk, dv, dpse = flash_attention_score_grad(
+        query, key, value, dy, head_num, input_layout, pse=pse, drop_mask=drop_mask, padding_mask=padding_mask,
+        atten_mask=atten_mask, softmax_max=softmax_max, softmax_sum=softmax_sum, softmax_in=softmax_in,
+        attention_in=attention_in, prefix=prefix, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
+        q_start_idx=q_start_idx, kv_start_idx=kv_start_idx, scale_value=scale_value, keep_prob=keep_prob,
+        pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode,
+        pse_type=pse_type, softmax_layout=softmax_layout)
     empty = _empty_like(query)
-    return dq, dk, dv, dpse, empty, empty, empty
+    return dq, dk, dv, _empty_like(query) if dpse is None else dpse, empty, empty, empty

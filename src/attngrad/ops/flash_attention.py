@@ -30,7 +30,6 @@ it. dpse is returned for pseType 0/1 (CANN reserves it). TND is dispatched to th
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -40,9 +39,12 @@ from ..kernels import flash_attention as kernels
 from ..kernels.flash_attention_plan import (ALIBI_ROWS, MASK_READ_MODES, UNBOUNDED_TOKENS, AttentionPlan,
                                             band_row_counts, sparse_rule)
 from ..kernels.flash_attention_reference import flash_attention_forward_reference
-from ..validation import (FLOAT_DTYPES, MASK_DTYPES, check_choice, check_dim_equal, check_dtype, check_float,
-                          check_int, check_output_view, check_range, check_rank, check_same_dtype, check_shape, invalid,
-                          require_tensor)
+from ..validation import (MASK_DTYPES, check_dim_equal, check_dtype, check_float, check_int, check_range, check_rank,
+                          invalid, require_tensor)
+from .flash_attention_checks import (absent, check_cann_sizes, check_drop_mask, check_dy_and_attention_in,
+                                     check_forward_outputs, check_grad_outputs, check_head_num, check_input_layout,
+                                     check_pse_type, check_tensors, int_list, require_forward_tensors,
+                                     require_grad_tensors, saved_stats)
 
 FORWARD = "FlashAttentionScore"
 BACKWARD = "FlashAttentionScoreGrad"
@@ -50,13 +52,9 @@ LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
 SEQ_DIM = {"BNSD": 2, "BSND": 1, "BSH": 1, "SBH": 0}   # the S axis of each non-TND layout
 BATCH_DIM = {"BNSD": 0, "BSND": 0, "BSH": 0, "SBH": 1}
 STATS_COPIES = 8
-CANN_MAX_HEADS = 256
-CANN_MAX_HEAD_DIM = 512
+# sparse mode -> the compressed attenMask shape it takes (spec 3.1-3.2)
 COMPRESSED_MASK = {2: (2048, 2048), 3: (2048, 2048), 4: (2048, 2048), 6: (3072, 2048), 7: (2048, 2048),
                    8: (2048, 2048)}
-
-# Plan features the kernels implement (every feature of AttentionPlan; TND is handled by the varlen contract).
-KERNEL_FEATURES: frozenset[str] = frozenset({"attenMask", "sparseMode", "prefix", "pse", "dropout"})
 
 
 @dataclass(frozen=True)
@@ -71,6 +69,8 @@ class Geometry:
     skv: int
     d: int
     dv: int
+
+    stats_rule = "[B, N1, Sq, 8]"
 
     @property
     def stats_shape(self) -> tuple[int, int, int, int]:
@@ -119,13 +119,17 @@ def _layout_shape(geo: Geometry, heads: int, seq: int, dim: int) -> tuple[int, .
             "BSH": (geo.b, seq, heads * dim), "SBH": (seq, geo.b, heads * dim)}[geo.layout]
 
 
+def _problem(geo: Geometry, plan: AttentionPlan, query, key, value, dy=None) -> Problem:
+    """The BNSD problem over zero-copy views of the inputs given in ``geo.layout``."""
+    layout = geo.layout
+    return Problem(geo, plan, to_bnsd(query, layout, geo.n1), to_bnsd(key, layout, geo.n2),
+                   to_bnsd(value, layout, geo.n2), None if dy is None else to_bnsd(dy, layout, geo.n1))
+
+
 # ---------------------------------------------------------------------------------------- attributes
 def _check_layout(op: str, input_layout, softmax_layout) -> str:
-    if input_layout is None:
-        raise AclnnError(ACLNN_ERR_PARAM_NULLPTR, f"{op}: inputLayout must not be null (None)", "inputLayout")
-    if not isinstance(input_layout, str):
-        raise invalid(op, "inputLayout", "must be a string", repr(input_layout))
-    check_choice(op, "inputLayout", input_layout, LAYOUTS)
+    """inputLayout BSH, SBH, BSND or BNSD (TND has its own contract); softmaxLayout must then be ''."""
+    check_input_layout(op, input_layout, LAYOUTS)
     if input_layout == "TND":
         raise invalid(op, "inputLayout", "TND (varlen) layout is not supported yet", "'TND'")
     if softmax_layout not in ("", None):
@@ -133,39 +137,10 @@ def _check_layout(op: str, input_layout, softmax_layout) -> str:
     return input_layout
 
 
-def _check_head_num(op: str, head_num) -> int:
-    head_num = check_int(op, "headNum", head_num)
-    check_range(op, "headNum", head_num, 1)
-    return head_num
-
-
-def _int_list(op: str, name: str, values) -> list[int] | None:
-    """prefix / start indices / seq lengths: a list (or 1-D integer tensor) of ints."""
-    if values is None:
-        return None
-    if isinstance(values, torch.Tensor):
-        if values.dim() > 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
-            raise invalid(op, name, "must be a 1-D integer list", f"{values.dim()}-D {values.dtype}")
-        values = values.tolist()
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise invalid(op, name, "must be a list of integers", repr(values))
-    return [check_int(op, name, v) for v in values]
-
-
 # ---------------------------------------------------------------------------------------- geometry
-def _check_ranks(op: str, layout: str, named: list[tuple[str, torch.Tensor]]) -> None:
-    rank = 3 if layout in ("BSH", "SBH") else 4
-    for name, t in named:
-        check_rank(op, name, t, (rank,))
-
-
-def _check_same_but_last(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
-    for dim in range(ref.dim() - 1):
-        check_dim_equal(op, name, t, dim, ref.shape[dim], ref_name)
-
-
-def _geometry(op: str, layout: str, head_num: int, query, key, value) -> Geometry:
-    """Sizes from the layout (spec section 2); checks D, N and the head-dim rules (11.2 step 7, 11.3)."""
+def geometry(op: str, layout: str, head_num: int, query, key, value) -> Geometry:
+    """Sizes from the layout (spec section 2); checks D, N and the head-dim rules (11.2 step 7, 11.3).
+    The varlen contract reads TND as BSND with B = 1."""
     s_dim = SEQ_DIM[layout]
     b, sq, skv = query.shape[BATCH_DIM[layout]], query.shape[s_dim], key.shape[s_dim]
     if layout in ("BSH", "SBH"):
@@ -196,57 +171,20 @@ def _geometry(op: str, layout: str, head_num: int, query, key, value) -> Geometr
     return Geometry(layout, b, n1, n2, sq, skv, d, dv)
 
 
-def _check_cann_sizes(op: str, geo: Geometry) -> None:
-    """Seed 004's documented ranges: N 1~256, D 1~512 (A2/A3)."""
-    check_range(op, "headNum", geo.n1, 1, CANN_MAX_HEADS)
-    check_range(op, "query D axis", geo.d, 1, CANN_MAX_HEAD_DIM)
-
-
 def _check_inputs(op: str, layout: str, head_num: int, query, key, value, dy=None, attention_in=None,
                   cann_limits: bool = False) -> Geometry:
     """dtype, rank, shape agreement and geometry checks shared by both operators (CANN order)."""
-    check_dtype(op, "query", query, FLOAT_DTYPES)
-    for name, t in (("key", key), ("value", value), ("dy", dy)):
-        if t is not None:
-            check_same_dtype(op, name, t, "query", query)
-    named = [(n, t) for n, t in (("query", query), ("key", key), ("value", value), ("dy", dy),
-                                 ("attentionIn", attention_in)) if t is not None]
-    _check_ranks(op, layout, named)
-    _check_same_but_last(op, "value", value, "key", key)
-    if dy is not None:
-        _check_same_but_last(op, "dy", dy, "query", query)
+    check_tensors(op, 3 if layout in ("BSH", "SBH") else 4, query, key, value, dy, attention_in)
     bd = BATCH_DIM[layout]
     check_dim_equal(op, "key", key, bd, query.shape[bd], "query")
-    geo = _geometry(op, layout, head_num, query, key, value)
-    if dy is not None:
-        check_shape(op, "dy", dy, _layout_shape(geo, geo.n1, geo.sq, geo.dv), "query's shape with D = Dv")
-    if attention_in is not None:
-        check_same_dtype(op, "attentionIn", attention_in, "query", query)
-        check_shape(op, "attentionIn", attention_in, dy.shape, "must equal dy's shape")
+    geo = geometry(op, layout, head_num, query, key, value)
+    check_dy_and_attention_in(op, query, dy, attention_in, _layout_shape(geo, geo.n1, geo.sq, geo.dv))
     if cann_limits:
-        _check_cann_sizes(op, geo)
+        check_cann_sizes(op, geo.n1, geo.d)
     return geo
 
 
-def _check_stats(op: str, name: str, t: torch.Tensor, geo: Geometry) -> None:
-    check_dtype(op, name, t, (torch.float32,))
-    check_shape(op, name, t, geo.stats_shape, "[B, N1, Sq, 8]")
-
-
-def _check_output(op: str, name: str, t, shape, dtype: torch.dtype) -> None:
-    require_tensor(op, name, t)
-    if t.dtype != dtype:
-        raise invalid(op, name, f"dtype must be {dtype}", t.dtype)
-    check_shape(op, name, t, shape)
-    check_output_view(op, name, t)
-
-
 # -------------------------------------------------------------------------------------------- plan
-def _absent(t) -> bool:
-    """CANN treats a missing or 0-dim optional tensor as absent (spec 11.2 step 8)."""
-    return t is None or (isinstance(t, torch.Tensor) and t.dim() == 0)
-
-
 def _check_atten_mask(op: str, mask: torch.Tensor, geo: Geometry, sparse_mode: int) -> None:
     """attenMask dtype/shape rules of spec 3.1-3.2 (4-D leading dims (B,N1), (B,1) or (1,1); compressed
     [2048, 2048] for modes 2/3/4/7/8 and [3072, 2048] for mode 6; mode 5 per batch when B > 1)."""
@@ -368,16 +306,6 @@ def _resolve_pse(op: str, geo: Geometry, dtype: torch.dtype, pse: torch.Tensor, 
                 kv_start_idx=_start_index(op, "kvStartIdx", kv_start_idx))
 
 
-def _check_drop_mask(op: str, drop_mask, geo: Geometry) -> None:
-    """keepProb < 1 needs a UINT8 bit mask of at least ceil(B*N1*Sq*Skv / 8) bytes (spec 7.2)."""
-    require_tensor(op, "dropMask", drop_mask)
-    check_dtype(op, "dropMask", drop_mask, (torch.uint8,))
-    need = math.ceil(geo.b * geo.n1 * geo.sq * geo.skv / 8)
-    if drop_mask.numel() < need:
-        raise invalid(op, "dropMask", f"must hold at least ceil(B*N1*Sq*Skv/8) = {need} bytes",
-                      drop_mask.numel())
-
-
 def resolve_plan(op: str, geo: Geometry, dtype: torch.dtype, *, scale_value, keep_prob, pre_tokens, next_tokens,
                  inner_precise, sparse_mode, pse_type, atten_mask, pse, drop_mask, prefix, q_start_idx,
                  kv_start_idx) -> AttentionPlan:
@@ -400,26 +328,25 @@ def resolve_plan(op: str, geo: Geometry, dtype: torch.dtype, *, scale_value, kee
     check_range(op, "sparseMode", sparse_mode, 0, 8)
     if sparse_mode in (7, 8):
         raise invalid(op, "sparseMode", "modes 7/8 (varlen split) need inputLayout TND", sparse_mode)
-    pse_type = check_int(op, "pseType", pse_type)
-    check_range(op, "pseType", pse_type, 0, 3)
-    prefix = _int_list(op, "prefix", prefix)
-    q_start_idx = _int_list(op, "qStartIdx", q_start_idx)
-    kv_start_idx = _int_list(op, "kvStartIdx", kv_start_idx)
+    pse_type = check_pse_type(op, pse_type)
+    prefix = int_list(op, "prefix", prefix)
+    q_start_idx = int_list(op, "qStartIdx", q_start_idx)
+    kv_start_idx = int_list(op, "kvStartIdx", kv_start_idx)
     for name, t in (("pse", pse), ("attenMask", atten_mask)):
         if t is not None:
             require_tensor(op, name, t)
     fields = dict(atten_mask=None, pre_tokens=UNBOUNDED_TOKENS, next_tokens=UNBOUNDED_TOKENS, prefix=None)
-    if not _absent(atten_mask):
+    if not absent(atten_mask):
         fields.update(_resolve_mask(op, geo, atten_mask, sparse_mode, pre_tokens, next_tokens, prefix))
     invalid_rows = inner_precise == 2 or _rule_leaves_empty_rows(geo, fields)
-    if _absent(pse):
+    if absent(pse):
         if pse_type != 1:
             raise invalid(op, "pseType", "must be 1 when pse is null (pse input required for pseType 0/2/3)",
                           pse_type)
     else:
         fields.update(_resolve_pse(op, geo, dtype, pse, pse_type, fields, q_start_idx, kv_start_idx))
     if keep_prob < 1.0:
-        _check_drop_mask(op, drop_mask, geo)
+        check_drop_mask(op, drop_mask, geo.b * geo.n1 * geo.sq * geo.skv, "B*N1*Sq*Skv/8")
         fields.update(keep_prob=keep_prob, drop_mask=drop_mask.detach().reshape(-1))
     return AttentionPlan(scale=scale, pse_type=pse_type, invalid_rows=invalid_rows, **fields)
 
@@ -432,35 +359,19 @@ def check_forward(query, key, value, head_num, input_layout, *, pse=None, drop_m
                   cann_limits=False) -> Problem:
     """Validate FlashAttentionScore in CANN's order; returns the BNSD problem. ``*_out``: aclnn outputs."""
     op = FORWARD
-    query, key, value = (require_tensor(op, n, t) for n, t in (("query", query), ("key", key), ("value", value)))
-    if cann_limits:
-        for name, t in (("softmaxMaxOut", softmax_max_out), ("softmaxSumOut", softmax_sum_out),
-                        ("attentionOutOut", attention_out)):
-            require_tensor(op, name, t)
-    head_num = _check_head_num(op, head_num)
+    query, key, value = require_forward_tensors(op, query, key, value, softmax_max_out, softmax_sum_out,
+                                                attention_out, cann_limits)
+    head_num = check_head_num(op, head_num)
     layout = _check_layout(op, input_layout, softmax_layout)
     geo = _check_inputs(op, layout, head_num, query, key, value, cann_limits=cann_limits)
     if cann_limits:
-        for name, t in (("softmaxMaxOut", softmax_max_out), ("softmaxSumOut", softmax_sum_out)):
-            _check_output(op, name, t, geo.stats_shape, torch.float32)
-        _check_output(op, "attentionOutOut", attention_out, _layout_shape(geo, geo.n1, geo.sq, geo.dv),
-                      query.dtype)
+        check_forward_outputs(op, softmax_max_out, softmax_sum_out, attention_out, geo.stats_shape,
+                              _layout_shape(geo, geo.n1, geo.sq, geo.dv), query.dtype)
     plan = resolve_plan(op, geo, query.dtype, scale_value=scale_value, keep_prob=keep_prob,
                         pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise,
                         sparse_mode=sparse_mode, pse_type=pse_type, atten_mask=atten_mask, pse=pse,
                         drop_mask=drop_mask, prefix=prefix, q_start_idx=q_start_idx, kv_start_idx=kv_start_idx)
-    return Problem(geo, plan, to_bnsd(query, layout, geo.n1), to_bnsd(key, layout, geo.n2),
-                   to_bnsd(value, layout, geo.n2))
-
-
-def _check_saved(op: str, softmax_max, softmax_sum, attention_in, cann_limits: bool) -> bool:
-    """True when the forward results are given. Torch layer: all three None -> recomputed; some -> 161001."""
-    given = [t is not None for t in (softmax_max, softmax_sum, attention_in)]
-    if not any(given) and not cann_limits:
-        return False
-    for name, t in (("attentionIn", attention_in), ("softmaxMax", softmax_max), ("softmaxSum", softmax_sum)):
-        require_tensor(op, name, t)
-    return True
+    return _problem(geo, plan, query, key, value)
 
 
 def check_backward(query, key, value, dy, head_num, input_layout, *, pse=None, drop_mask=None, atten_mask=None,
@@ -474,31 +385,24 @@ def check_backward(query, key, value, dy, head_num, input_layout, *, pse=None, d
     empty (CANN: success, nothing computed).
     """
     op = BACKWARD
-    query, key, value, dy = (require_tensor(op, n, t) for n, t in
-                             (("query", query), ("key", key), ("value", value), ("dy", dy)))
-    saved = _check_saved(op, softmax_max, softmax_sum, attention_in, cann_limits)
-    if cann_limits:
-        outs = [require_tensor(op, n, t) for n, t in (("dqOut", dq_out), ("dkOut", dk_out), ("dvOut", dv_out))]
-        if all(t.numel() == 0 for t in outs):
-            return None
-    head_num = _check_head_num(op, head_num)
+    (query, key, value, dy), saved, nothing_to_do = require_grad_tensors(
+        op, query, key, value, dy, softmax_max, softmax_sum, attention_in, dq_out, dk_out, dv_out, cann_limits)
+    if nothing_to_do:
+        return None
+    head_num = check_head_num(op, head_num)
     layout = _check_layout(op, input_layout, softmax_layout)
     geo = _check_inputs(op, layout, head_num, query, key, value, dy, attention_in, cann_limits)
     if cann_limits:
-        for name, t, ref in (("dqOut", dq_out, query), ("dkOut", dk_out, key), ("dvOut", dv_out, value)):
-            _check_output(op, name, t, ref.shape, ref.dtype)
+        check_grad_outputs(op, dq_out, dk_out, dv_out, query, key, value)
     plan = resolve_plan(op, geo, query.dtype, scale_value=scale_value, keep_prob=keep_prob,
                         pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise,
                         sparse_mode=sparse_mode, pse_type=pse_type, atten_mask=atten_mask, pse=pse,
                         drop_mask=drop_mask, prefix=prefix, q_start_idx=q_start_idx, kv_start_idx=kv_start_idx)
-    problem = Problem(geo, plan, to_bnsd(query, layout, geo.n1), to_bnsd(key, layout, geo.n2),
-                      to_bnsd(value, layout, geo.n2), to_bnsd(dy, layout, geo.n1))
+    problem = _problem(geo, plan, query, key, value, dy)
     if saved:
-        _check_stats(op, "softmaxMax", softmax_max, geo)
-        _check_stats(op, "softmaxSum", softmax_sum, geo)
+        problem.softmax_max, problem.softmax_sum = saved_stats(op, softmax_max, softmax_sum, geo.stats_shape,
+                                                               geo.stats_rule)
         problem.out = to_bnsd(attention_in, layout, geo.n1)
-        problem.softmax_max = softmax_max[..., 0].contiguous()
-        problem.softmax_sum = softmax_sum[..., 0].contiguous()
     return problem
 
 
@@ -576,8 +480,8 @@ class _FlashAttentionFunction(torch.autograd.Function):
         query, key, value, out, m, s = ctx.saved_tensors
         geo = ctx.geo
         dy = d_out if d_out.dtype == query.dtype else d_out.to(query.dtype)
-        problem = Problem(geo, ctx.plan, to_bnsd(query, geo.layout, geo.n1), to_bnsd(key, geo.layout, geo.n2),
-                          to_bnsd(value, geo.layout, geo.n2), to_bnsd(dy, geo.layout, geo.n1), out, m, s)
+        problem = _problem(geo, ctx.plan, query, key, value, dy)
+        problem.out, problem.softmax_max, problem.softmax_sum = out, m, s
         dq, dk, dv, dpse = run_backward(problem, with_dpse=ctx.needs_input_grad[3])
         return dq, dk, dv, dpse, None
 

@@ -34,18 +34,19 @@ import torch
 
 from ..errors import ACLNN_ERR_PARAM_NULLPTR, AclnnError
 from ..kernels.flash_attention_plan import ALIBI_ROWS, UNBOUNDED_TOKENS, AttentionPlan
-from ..validation import (FLOAT_DTYPES, MASK_DTYPES, check_choice, check_dtype, check_float, check_int, check_range,
-                          check_rank, check_same_dtype, check_shape, invalid, require_tensor)
-from .flash_attention import (STATS_COPIES, Geometry, Problem, _absent, _check_cann_sizes, _check_head_num,
-                              _check_output, _check_same_but_last, _check_saved, _geometry, _int_list,
-                              backward_kernel, forward_kernel, has_float_pse, resolve_plan, stats8)
+from ..validation import (MASK_DTYPES, check_choice, check_dtype, check_float, check_int, check_range, check_rank,
+                          invalid, require_tensor)
+from .flash_attention import (COMPRESSED_MASK, STATS_COPIES, Geometry, Problem, backward_kernel, forward_kernel,
+                              geometry, has_float_pse, resolve_plan, stats8)
+from .flash_attention_checks import (absent, check_cann_sizes, check_drop_mask, check_dy_and_attention_in,
+                                     check_forward_outputs, check_grad_outputs, check_head_num, check_input_layout,
+                                     check_pse_type, check_tensors, int_list, require_forward_tensors,
+                                     require_grad_tensors, saved_stats)
 
 FORWARD = "FlashAttentionVarLenScore"
 BACKWARD = "FlashAttentionUnpaddingScoreGrad"
 SOFTMAX_LAYOUTS = ("", "TND")
 CANN_MAX_BATCHES = 2048                 # actualSeqQLen length 1~2K (unpadding V1-V3)
-COMPRESSED = {2: (2048, 2048), 3: (2048, 2048), 4: (2048, 2048), 6: (3072, 2048), 7: (2048, 2048),
-              8: (2048, 2048)}
 SPLIT_MODES = {7: (3, -1), 8: (2, 0)}   # varlen split mode -> (mode of the other batches, band batch: last/first)
 BAND_MODE = 4
 
@@ -75,6 +76,7 @@ class VarlenGeometry:
         return q0, self.cum_q[b], k0, self.cum_kv[b]
 
     def lengths(self, b: int) -> tuple[int, int]:
+        """``(Sq_b, Skv_b)``."""
         q0, q1, k0, k1 = self.rows(b)
         return q1 - q0, k1 - k0
 
@@ -96,34 +98,32 @@ class VarlenGeometry:
         """Flat index of batch b's first score in the concatenated [N1, Sq_b, Skv_b] blocks (b = B: the total)."""
         return self._score_starts[b]
 
+    stats_rule = "[T1, N1, 8]"
+
     @property
     def stats_shape(self) -> tuple[int, int, int]:
         return (self.t1, self.n1, STATS_COPIES)
 
 
-def _check_input_layout(op: str, input_layout) -> None:
-    """The varlen operators take inputLayout "TND" only (spec 11.2 step 1)."""
-    if input_layout is None:
-        raise AclnnError(ACLNN_ERR_PARAM_NULLPTR, f"{op}: inputLayout must not be null (None)", "inputLayout")
-    check_choice(op, "inputLayout", input_layout, ("TND",))
-
-
 def _check_softmax_layout(op: str, softmax_layout) -> str:
+    """softmaxLayout "" (CANN's default order; None reads as "") or "TND"."""
     softmax_layout = "" if softmax_layout is None else softmax_layout
     check_choice(op, "softmaxLayout", softmax_layout, SOFTMAX_LAYOUTS)
     return softmax_layout
 
 
 def _seq_list(op: str, name: str, values) -> list[int]:
+    """actualSeqQLen / actualSeqKvLen: required (161001) and non-empty for TND."""
     if values is None:
         raise AclnnError(ACLNN_ERR_PARAM_NULLPTR, f"{op}: {name} must not be null (None) for inputLayout TND", name)
-    values = _int_list(op, name, values)
+    values = int_list(op, name, values)
     if not values:
         raise invalid(op, name, "must not be empty for inputLayout TND", values)
     return values
 
 
 def _check_cumulative(op: str, name: str, cum: list[int]) -> None:
+    """Cumulative lengths: non-negative and non-decreasing."""
     previous = 0
     for i, value in enumerate(cum):
         if value < previous:
@@ -165,32 +165,14 @@ def _check_tnd_inputs(op: str, head_num: int, query, key, value, actual_seq_qlen
                       attention_in=None, cann_limits: bool = False) -> VarlenGeometry:
     """dtype, rank 3, shape agreement and head geometry (the core's rules on TND seen as BSND with B = 1),
     then the sequence lengths."""
-    check_dtype(op, "query", query, FLOAT_DTYPES)
-    for name, t in (("key", key), ("value", value), ("dy", dy)):
-        if t is not None:
-            check_same_dtype(op, name, t, "query", query)
-    for name, t in (("query", query), ("key", key), ("value", value), ("dy", dy), ("attentionIn", attention_in)):
-        if t is not None:
-            check_rank(op, name, t, (3,))
-    _check_same_but_last(op, "value", value, "key", key)
-    if dy is not None:
-        _check_same_but_last(op, "dy", dy, "query", query)
-    base = _geometry(op, "BSND", head_num, query[None], key[None], value[None])
-    if dy is not None:
-        check_shape(op, "dy", dy, (query.shape[0], base.n1, base.dv), "query's shape with D = Dv")
-    if attention_in is not None:
-        check_same_dtype(op, "attentionIn", attention_in, "query", query)
-        check_shape(op, "attentionIn", attention_in, dy.shape, "must equal dy's shape")
+    check_tensors(op, 3, query, key, value, dy, attention_in)
+    base = geometry(op, "BSND", head_num, query[None], key[None], value[None])
+    check_dy_and_attention_in(op, query, dy, attention_in, (query.shape[0], base.n1, base.dv))
     if cann_limits:
-        _check_cann_sizes(op, base)
+        check_cann_sizes(op, base.n1, base.d)
     cum_q, cum_kv = _check_seq_lens(op, query.shape[0], key.shape[0], actual_seq_qlen, actual_seq_kvlen,
                                     cann_limits)
     return VarlenGeometry(query.shape[0], key.shape[0], base.n1, base.n2, base.d, base.dv, cum_q, cum_kv)
-
-
-def _check_stats(op: str, name: str, t: torch.Tensor, geo: VarlenGeometry) -> None:
-    check_dtype(op, name, t, (torch.float32,))
-    check_shape(op, name, t, geo.stats_shape, "[T1, N1, 8]")
 
 
 # ----------------------------------------------------------------------------- per-batch plan inputs
@@ -209,7 +191,7 @@ def _check_tnd_mask(op: str, mask: torch.Tensor, geo: VarlenGeometry, sparse_mod
     (``[3072, 2048]`` for mode 6), 2-D or ``[1, 1, ., .]`` (spec 3.1). Returns it as a [1, 1, ., .] view."""
     check_dtype(op, "attenMask", mask, MASK_DTYPES)
     check_rank(op, "attenMask", mask, (2, 4))
-    expected = COMPRESSED.get(sparse_mode, geo.max_lengths)
+    expected = COMPRESSED_MASK.get(sparse_mode, geo.max_lengths)
     if tuple(mask.shape[-2:]) != expected or (mask.dim() == 4 and tuple(mask.shape[:2]) != (1, 1)):
         raise invalid(op, "attenMask", f"must be {list(expected)} or [1, 1, {expected[0]}, {expected[1]}] for "
                                        f"sparseMode {sparse_mode} with inputLayout TND", list(mask.shape))
@@ -218,7 +200,7 @@ def _check_tnd_mask(op: str, mask: torch.Tensor, geo: VarlenGeometry, sparse_mod
 
 def _batch_mask(mask, geo: VarlenGeometry, b: int, sparse_mode: int):
     """Modes 0/1: the top-left [Sq_b, Skv_b] block of the SS mask; compressed modes: the mask itself."""
-    if mask is None or sparse_mode in COMPRESSED:
+    if mask is None or sparse_mode in COMPRESSED_MASK:
         return mask
     sq, skv = geo.lengths(b)
     return mask[..., :sq, :skv]
@@ -286,16 +268,6 @@ def _batch_pse(pse: torch.Tensor, geo: VarlenGeometry, b: int, pse_type: int) ->
     return pse[geo.n1 * k0:geo.n1 * k1].view(1, geo.n1, 1, skv)
 
 
-def _check_tnd_drop_mask(op: str, drop_mask, geo: VarlenGeometry) -> None:
-    """keepProb < 1 needs a UINT8 bit mask of at least ceil(N1 * sum Sq_b Skv_b / 8) bytes (spec 7.2)."""
-    require_tensor(op, "dropMask", drop_mask)
-    check_dtype(op, "dropMask", drop_mask, (torch.uint8,))
-    need = math.ceil(geo.score_offset(geo.batch_count) / 8)
-    if drop_mask.numel() < need:
-        raise invalid(op, "dropMask", f"must hold at least ceil(N1 * sum Sq_b*Skv_b / 8) = {need} bytes",
-                      drop_mask.numel())
-
-
 def _batch_drop_mask(drop_mask: torch.Tensor, geo: VarlenGeometry, b: int) -> torch.Tensor:
     """Batch b's bits (LSB first, starting at bit N1 * sum_{b'<b} Sq_b' Skv_b') repacked from bit 0."""
     start = geo.score_offset(b)
@@ -311,20 +283,19 @@ def _resolve_plans(op: str, geo: VarlenGeometry, dtype: torch.dtype, *, scale_va
     """The TND rules, then the core's ``resolve_plan`` once per batch on that batch's own geometry and
     slices. With no active batch, one empty batch validates the attributes."""
     sparse_mode = _check_sparse_mode(op, sparse_mode)
-    pse_type = check_int(op, "pseType", pse_type)
-    check_range(op, "pseType", pse_type, 0, 3)
+    pse_type = check_pse_type(op, pse_type)
     keep_prob = check_float(op, "keepProb", keep_prob)
     mask = None
-    if not _absent(atten_mask):
+    if not absent(atten_mask):
         mask = _check_tnd_mask(op, require_tensor(op, "attenMask", atten_mask), geo, sparse_mode)
-    if not _absent(pse):
-        starts = [(_int_list(op, n, v) or [0])[0] for n, v in (("qStartIdx", q_start_idx), ("kvStartIdx",
-                                                                                            kv_start_idx))]
+    if not absent(pse):
+        starts = [(int_list(op, n, v) or [0])[0] for n, v in (("qStartIdx", q_start_idx), ("kvStartIdx",
+                                                                                           kv_start_idx))]
         _check_tnd_pse(op, require_tensor(op, "pse", pse), geo, pse_type, sparse_mode, starts[0] - starts[1])
     dropout = keep_prob < 1.0
     if dropout:
-        _check_tnd_drop_mask(op, drop_mask, geo)
-    prefix = _int_list(op, "prefix", prefix)
+        check_drop_mask(op, drop_mask, geo.score_offset(geo.batch_count), "N1 * sum Sq_b*Skv_b / 8")
+    prefix = int_list(op, "prefix", prefix)
     if prefix is not None and mask is not None and sparse_mode == 6 and len(prefix) < geo.batch_count:
         raise invalid(op, "prefix", f"must have an entry per batch ({geo.batch_count}) for sparseMode 6",
                       len(prefix))
@@ -336,7 +307,7 @@ def _resolve_plans(op: str, geo: VarlenGeometry, dtype: torch.dtype, *, scale_va
                          sparse_mode=_batch_mode(b, sparse_mode, band_batch, mask is not None),
                          pse_type=pse_type,
                          atten_mask=_batch_mask(mask, geo, b, sparse_mode),
-                         pse=None if _absent(pse) else _batch_pse(pse, geo, b, pse_type).contiguous(),
+                         pse=None if absent(pse) else _batch_pse(pse, geo, b, pse_type).contiguous(),
                          drop_mask=_batch_drop_mask(drop_mask, geo, b) if dropout else drop_mask,
                          prefix=None if prefix is None or b >= len(prefix) else [prefix[b]],
                          q_start_idx=q_start_idx, kv_start_idx=kv_start_idx)
@@ -409,20 +380,16 @@ def check_forward(query, key, value, head_num, input_layout, *, actual_seq_qlen=
                   softmax_sum_out=None, attention_out=None, cann_limits=False) -> VarlenProblem:
     """Validate FlashAttentionVarLenScore (TND) in CANN's order; ``*_out``: the aclnn outputs."""
     op = FORWARD
-    _check_input_layout(op, input_layout)
-    query, key, value = (require_tensor(op, n, t) for n, t in (("query", query), ("key", key), ("value", value)))
-    if cann_limits:
-        for name, t in (("softmaxMaxOut", softmax_max_out), ("softmaxSumOut", softmax_sum_out),
-                        ("attentionOutOut", attention_out)):
-            require_tensor(op, name, t)
-    head_num = _check_head_num(op, head_num)
+    check_input_layout(op, input_layout, ("TND",))  # spec 11.2 step 1
+    query, key, value = require_forward_tensors(op, query, key, value, softmax_max_out, softmax_sum_out,
+                                                attention_out, cann_limits)
+    head_num = check_head_num(op, head_num)
     softmax_layout = _check_softmax_layout(op, softmax_layout)
     geo = _check_tnd_inputs(op, head_num, query, key, value, actual_seq_qlen, actual_seq_kvlen,
                             cann_limits=cann_limits)
     if cann_limits:
-        for name, t in (("softmaxMaxOut", softmax_max_out), ("softmaxSumOut", softmax_sum_out)):
-            _check_output(op, name, t, geo.stats_shape, torch.float32)
-        _check_output(op, "attentionOutOut", attention_out, (geo.t1, geo.n1, geo.dv), query.dtype)
+        check_forward_outputs(op, softmax_max_out, softmax_sum_out, attention_out, geo.stats_shape,
+                              (geo.t1, geo.n1, geo.dv), query.dtype)
     plans = _resolve_plans(op, geo, query.dtype, scale_value=scale_value, keep_prob=keep_prob,
                            pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise,
                            sparse_mode=sparse_mode, pse_type=pse_type, atten_mask=atten_mask, pse=pse,
@@ -443,21 +410,17 @@ def check_backward(query, key, value, dy, head_num, input_layout, *, actual_seq_
     With ``cann_limits`` they and dq/dk/dv are required, and None is returned when dq/dk/dv are all empty.
     """
     op = BACKWARD
-    _check_input_layout(op, input_layout)
-    query, key, value, dy = (require_tensor(op, n, t) for n, t in
-                             (("query", query), ("key", key), ("value", value), ("dy", dy)))
-    saved = _check_saved(op, softmax_max, softmax_sum, attention_in, cann_limits)
-    if cann_limits:
-        outs = [require_tensor(op, n, t) for n, t in (("dqOut", dq_out), ("dkOut", dk_out), ("dvOut", dv_out))]
-        if all(t.numel() == 0 for t in outs):
-            return None
-    head_num = _check_head_num(op, head_num)
+    check_input_layout(op, input_layout, ("TND",))  # spec 11.2 step 1
+    (query, key, value, dy), saved, nothing_to_do = require_grad_tensors(
+        op, query, key, value, dy, softmax_max, softmax_sum, attention_in, dq_out, dk_out, dv_out, cann_limits)
+    if nothing_to_do:
+        return None
+    head_num = check_head_num(op, head_num)
     softmax_layout = _check_softmax_layout(op, softmax_layout)
     geo = _check_tnd_inputs(op, head_num, query, key, value, actual_seq_qlen, actual_seq_kvlen, dy,
                             attention_in, cann_limits)
     if cann_limits:
-        for name, t, ref in (("dqOut", dq_out, query), ("dkOut", dk_out, key), ("dvOut", dv_out, value)):
-            _check_output(op, name, t, ref.shape, ref.dtype)
+        check_grad_outputs(op, dq_out, dk_out, dv_out, query, key, value)
     plans = _resolve_plans(op, geo, query.dtype, scale_value=scale_value, keep_prob=keep_prob,
                            pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise,
                            sparse_mode=sparse_mode, pse_type=pse_type, atten_mask=atten_mask, pse=pse,
@@ -465,11 +428,9 @@ def check_backward(query, key, value, dy, head_num, input_layout, *, actual_seq_
     problem = VarlenProblem(geo, plans, query, key, value, dy, softmax_layout=softmax_layout,
                             pse=pse if has_float_pse(plans[0]) else None)
     if saved:
-        _check_stats(op, "softmaxMax", softmax_max, geo)
-        _check_stats(op, "softmaxSum", softmax_sum, geo)
+        problem.softmax_max, problem.softmax_sum = saved_stats(op, softmax_max, softmax_sum, geo.stats_shape,
+                                                               geo.stats_rule)
         problem.out = attention_in
-        problem.softmax_max = softmax_max[..., 0].contiguous()
-        problem.softmax_sum = softmax_sum[..., 0].contiguous()
     return problem
 
 

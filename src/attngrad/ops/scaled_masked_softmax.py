@@ -17,7 +17,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..errors import ACLNN_ERR_PARAM_NULLPTR
 from ..kernels import scaled_masked_softmax as kernels
 from ..kernels.tensor_view import kernel_view
 from ..validation import (FLOAT_DTYPES, check_dim_broadcast, check_dim_equal, check_dtype, check_float,
@@ -35,6 +34,7 @@ def triu_mask(s1: int, s2: int) -> torch.Tensor:
 
 
 def _check_mask(op: str, mask: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
+    """mask: bool, 4-D, dims 0-1 equal to ``ref``'s or 1 (broadcast), dims 2-3 equal to ``ref``'s."""
     check_dtype(op, "mask", mask, (torch.bool,))
     check_rank(op, "mask", mask, (4,))
     check_dim_broadcast(op, "mask", mask, 0, ref.shape[0], ref_name)
@@ -45,6 +45,8 @@ def _check_mask(op: str, mask: torch.Tensor, ref_name: str, ref: torch.Tensor) -
 
 def _check_attrs(op: str, data: torch.Tensor, scale, fix_triu_mask, cann_limits: bool,
                  min_last_dim: int = 1) -> float:
+    """scale a float, fixTriuMask a bool; ``cann_limits``: S2 (``data``'s last dim) in [min_last_dim, 4096]
+    and fixTriuMask false. Returns the scale as a Python float."""
     scale = check_float(op, "scale", scale)
     if not isinstance(fix_triu_mask, bool):
         raise invalid(op, "fixTriuMask", "must be a bool", repr(fix_triu_mask))
@@ -56,6 +58,8 @@ def _check_attrs(op: str, data: torch.Tensor, scale, fix_triu_mask, cann_limits:
 
 
 def _resolve_mask(op: str, mask, data_name: str, data: torch.Tensor, fix_triu_mask: bool) -> torch.Tensor:
+    """The mask the kernel reads: the given one (checked against ``data``), or with ``fix_triu_mask`` the
+    [1, 1, S1, S2] strict upper triangle (a given mask is still checked)."""
     if mask is None and fix_triu_mask:
         return triu_mask(data.shape[2], data.shape[3])
     mask = require_tensor(op, "mask", mask)
@@ -91,7 +95,7 @@ def check_backward(grad_output, y, mask, scale=1.0, fix_triu_mask=False, out=Non
     grad_output = require_tensor(op, "gradOutput", grad_output)
     y = require_tensor(op, "y", y)
     if not fix_triu_mask or cann_limits:
-        require_tensor(op, "mask", mask, ACLNN_ERR_PARAM_NULLPTR)
+        require_tensor(op, "mask", mask)
     if cann_limits:
         require_tensor(op, "out", out)
     check_dtype(op, "gradOutput", grad_output, FLOAT_DTYPES)
@@ -115,7 +119,8 @@ def _kernel_mask(mask: torch.Tensor) -> torch.Tensor:
 
 
 def forward_kernel(x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Run the fused forward kernel on validated input."""
+    """Run the fused forward kernel on validated input: x [B,N,S1,S2], mask bool [B|1,N|1,S1,S2] -> a new y
+    like x (float16 input: the scale is rounded to float16 first, as CANN scales in fp16)."""
     y = torch.empty(x.shape, dtype=x.dtype)
     if y.numel() == 0:
         return y
@@ -127,7 +132,8 @@ def forward_kernel(x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.T
 
 
 def backward_kernel(grad_output, y, mask, scale: float) -> torch.Tensor:
-    """Run the fused backward kernel on validated input."""
+    """Run the fused backward kernel on validated input: grad_output, y [B,N,S1,S2], mask bool
+    [B|1,N|1,S1,S2] -> a new gradient like grad_output."""
     out = torch.empty(grad_output.shape, dtype=grad_output.dtype)
     if out.numel() == 0:
         return out
