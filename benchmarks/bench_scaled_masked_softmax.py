@@ -12,13 +12,11 @@ allocating calls of both (the torch-level functions as a user calls them) are ti
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from attngrad import scaled_masked_softmax, scaled_masked_softmax_backward
 from attngrad.bench import BenchCase
-from attngrad.kernels import scaled_masked_softmax as kernels
-from attngrad.kernels.tensor_view import kernel_view
+from attngrad.ops.scaled_masked_softmax import backward_kernel, forward_kernel
 
 SCALE = 0.5
 MASK_VALUE = -10000.0
@@ -33,18 +31,6 @@ def _inputs(shape, mask_shape, dtype):
     return x, mask, y, dy
 
 
-def _forward_into(x, mask, y):
-    """attngrad's forward kernel into a preallocated y (the aclnn calling convention)."""
-    half = x.dtype == torch.float16
-    scale = np.float32(torch.tensor(SCALE, dtype=x.dtype if half else torch.float32).item())
-    kernels.scaled_masked_softmax_forward(kernel_view(x), kernel_view(mask), scale, half, kernel_view(y))
-
-
-def _backward_into(dy, y, mask, out):
-    kernels.scaled_masked_softmax_backward(kernel_view(dy), kernel_view(y), kernel_view(mask),
-                                           np.float32(SCALE), kernel_view(out))
-
-
 def _torch_forward_into(x, mask, tmp, y):
     torch.mul(x, SCALE, out=tmp).masked_fill_(mask, MASK_VALUE)
     torch._softmax(tmp, -1, False, out=y)
@@ -54,7 +40,7 @@ def _forward_case(label, x, mask, bytes_moved) -> BenchCase:
     y, tmp = torch.empty_like(x), torch.empty_like(x)
     return BenchCase(
         "ScaledMaskedSoftmax", x.dtype, label,
-        {"attngrad (out preallocated)": lambda: _forward_into(x, mask, y),
+        {"attngrad (out preallocated)": lambda: forward_kernel(x, mask, SCALE, y),
          "attngrad op (allocates)": lambda: scaled_masked_softmax(x, mask, SCALE),
          "torch softmax(masked_fill) (allocates)": lambda: torch.softmax(
              (x * SCALE).masked_fill(mask, MASK_VALUE), -1),
@@ -66,7 +52,7 @@ def _backward_case(label, dy, y, mask, bytes_moved) -> BenchCase:
     out = torch.empty_like(dy)
     return BenchCase(
         "ScaledMaskedSoftmaxBackward", dy.dtype, label,
-        {"attngrad (out preallocated)": lambda: _backward_into(dy, y, mask, out),
+        {"attngrad (out preallocated)": lambda: backward_kernel(dy, y, mask, SCALE, out),
          "attngrad op (allocates)": lambda: scaled_masked_softmax_backward(dy, y, mask, SCALE),
          "torch _softmax_backward_data+mul_+masked_fill_ (allocates)": lambda: torch._softmax_backward_data(
              dy, y, -1, dy.dtype).mul_(SCALE).masked_fill_(mask, 0),

@@ -61,6 +61,17 @@ def check_formats_nd(op: str, named: dict) -> None:
             raise invalid(op, name, f"format must be one of {[ACL_FORMAT_ND]} (ND = 2)", t.format)
 
 
+def run_into(out: torch.Tensor, inputs, kernel) -> None:
+    """Run ``kernel(dest)`` straight into the caller's output view, or into a fresh tensor copied there
+    when the output shares storage with one of ``inputs`` (a kernel may read an input after writing)."""
+    storage = out.untyped_storage().data_ptr()
+    if any(t is not None and t.untyped_storage().data_ptr() == storage for t in inputs):
+        write_output(out, kernel(None))
+    else:
+        with torch.no_grad():
+            kernel(out)
+
+
 def write_output(out: torch.Tensor, value: torch.Tensor) -> None:
     """Copy a result into the caller's output view (its dtype and shape were validated).
 

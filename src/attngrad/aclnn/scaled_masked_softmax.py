@@ -7,7 +7,7 @@ rules (ND format, CANN's S2 and fixTriuMask limits via ``cann_limits=True``).
 from __future__ import annotations
 
 from ..ops import scaled_masked_softmax as contract
-from .executor import as_torch_views, check_formats_nd, two_phase, write_output
+from .executor import as_torch_views, check_formats_nd, run_into, two_phase
 
 
 def _prepare_forward(x, mask, scale, fixed_triu_mask, y):
@@ -16,7 +16,7 @@ def _prepare_forward(x, mask, scale, fixed_triu_mask, y):
     tx, tmask, ty = as_torch_views(op, named).values()
     tx, tmask, scale = contract.check_forward(tx, tmask, scale, fixed_triu_mask, ty, cann_limits=True)
     check_formats_nd(op, named)
-    return lambda: write_output(ty, contract.forward_kernel(tx, tmask, scale))
+    return lambda: run_into(ty, (tx, tmask), lambda dest: contract.forward_kernel(tx, tmask, scale, dest))
 
 
 def _prepare_backward(grad_output, y, mask, scale, fix_triu_mask, out):
@@ -25,7 +25,7 @@ def _prepare_backward(grad_output, y, mask, scale, fix_triu_mask, out):
     go, ty, tm, to = as_torch_views(op, named).values()
     go, ty, tm, scale = contract.check_backward(go, ty, tm, scale, fix_triu_mask, to, cann_limits=True)
     check_formats_nd(op, named)
-    return lambda: write_output(to, contract.backward_kernel(go, ty, tm, scale))
+    return lambda: run_into(to, (go, ty, tm), lambda dest: contract.backward_kernel(go, ty, tm, scale, dest))
 
 
 aclnnScaledMaskedSoftmaxGetWorkspaceSize, aclnnScaledMaskedSoftmax = two_phase(

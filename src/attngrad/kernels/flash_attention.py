@@ -408,11 +408,8 @@ def _backward_tile(s, dp, pt, dst, rows, cols, general, b, n, i0, j0, mask, pse,
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
 def _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, b, n2, j0, chunk,
-                        dq_acc, s, dp, pt, dst, dk_acc, dv_acc, dpse, packed, kt, vt, kr):
-    """dK/dV of keys [j0, j0+BK) over the G query heads and all query blocks; dQ into dq_acc[chunk].
-
-    ``packed`` (bf16, even D and Dv, AMX): QK^T, dY V^T and dS K run on the brgemm with the block's K^T, V^T
-    and K packed once into kt, vt and kr; the dV and dK GEMMs (transposed A) and odd blocks stay on MKL."""
+                        dq_acc, s, dp, pt, dst, dk_acc, dv_acc, dpse):
+    """dK/dV of keys [j0, j0+BK) over the G query heads and all query blocks; dQ into dq_acc[chunk]."""
     N1, Sq, D = q.shape[1], q.shape[2], q.shape[3]
     G = N1 // k.shape[1]
     Skv, Dv = k.shape[2], v.shape[3]
@@ -420,11 +417,6 @@ def _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip
     cols = min(BK, Skv - j0)
     dk_acc[:] = 0.0
     dv_acc[:] = 0.0
-    amx = packed and cols % 2 == 0
-    if amx:
-        _pack_transposed(k, b, n2, j0, cols, kt)
-        _pack_transposed(v, b, n2, j0, cols, vt)
-        _pack_rows(k, b, n2, j0, cols, kr)
     for n in range(n2 * G, n2 * G + G):
         for i0 in range(0, Sq, BQ):
             rows = min(BQ, Sq - i0)
@@ -432,28 +424,20 @@ def _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip
             if kind == _OUTSIDE and not _dead_row(smax, b, n, i0, rows):
                 continue  # P = exp(-FLT_MAX - max) = 0 on the whole tile
             qp, dyp = _ptr(q, b, n, i0), _ptr(dy, b, n, i0)
-            if amx:
-                brgemm_bf16(rows, cols, D, D, cols, BK, False, qp, kt.ctypes.data, s.ctypes.data)
-                brgemm_bf16(rows, cols, Dv, Dv, cols, BK, False, dyp, vt.ctypes.data, dp.ctypes.data)
-            else:
-                gemm(q, NO_TRANS, TRANS, rows, cols, D, 1.0, qp, D, _ptr(k, b, n2, j0), D, 0.0, s.ctypes.data, BK)
-                gemm(q, NO_TRANS, TRANS, rows, cols, Dv, 1.0, dyp, Dv, _ptr(v, b, n2, j0), Dv, 0.0, dp.ctypes.data,
-                     BK)
+            gemm(q, NO_TRANS, TRANS, rows, cols, D, 1.0, qp, D, _ptr(k, b, n2, j0), D, 0.0, s.ctypes.data, BK)
+            gemm(q, NO_TRANS, TRANS, rows, cols, Dv, 1.0, dyp, Dv, _ptr(v, b, n2, j0), Dv, 0.0, dp.ctypes.data, BK)
             general = ip[_HAS_MASK] != 0 or kind != _INSIDE
             _backward_tile(s, dp, pt, dst, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp,
                            smax, ssum, dr, dpse)
             gemm(q, TRANS, NO_TRANS, cols, Dv, rows, 1.0, pt.ctypes.data, BK, dyp, Dv, 1.0, dv_acc.ctypes.data, Dv)
             gemm(q, TRANS, NO_TRANS, cols, D, rows, 1.0, dst.ctypes.data, BK, qp, D, 1.0, dk_acc.ctypes.data, D)
             dq_ptr = dq_acc.ctypes.data + (((chunk * dq_acc.shape[1] + b) * N1 + n) * Sq + i0) * D * 4
-            if amx:
-                brgemm_bf16(rows, D, cols, BK, D, D, True, dst.ctypes.data, kr.ctypes.data, dq_ptr)
-            else:
-                gemm(q, NO_TRANS, NO_TRANS, rows, D, cols, 1.0, dst.ctypes.data, BK, _ptr(k, b, n2, j0), D, 1.0,
-                     dq_ptr, D)
+            gemm(q, NO_TRANS, NO_TRANS, rows, D, cols, 1.0, dst.ctypes.data, BK, _ptr(k, b, n2, j0), D, 1.0,
+                 dq_ptr, D)
 
 
 @njit(**_KERNEL)
-def _backward_kernel(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, packed, dq_acc, dk, dv, dpse):
+def _backward_kernel(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, dq_acc, dk, dv, dpse):
     B, N2, Skv, D = k.shape
     Dv = v.shape[3]
     chunks = dq_acc.shape[0]
@@ -469,20 +453,15 @@ def _backward_kernel(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, f
         dst = np.empty((_BQ, _BK), q.dtype)
         dk_acc = np.empty((_BK, D), np.float32)
         dv_acc = np.empty((_BK, Dv), np.float32)
-        kt = np.empty(_BK * D // 2 if packed else 1, np.uint32)
-        vt = np.empty(_BK * Dv // 2 if packed else 1, np.uint32)
-        kr = np.empty(_BK * D // 2 if packed else 1, np.uint32)
         for kb in range(chunk * nkb // chunks, (chunk + 1) * nkb // chunks):
             j0 = kb * _BK
             _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, b, n2, j0,
-                                chunk, dq_acc, s, dp, pt, dst, dk_acc, dv_acc, dpse, packed, kt, vt, kr)
+                                chunk, dq_acc, s, dp, pt, dst, dk_acc, dv_acc, dpse)
             for r in range(min(_BK, Skv - j0)):
                 for d in range(D):
                     dk[b, n2, j0 + r, d] = narrow(dk_acc[r, d] * scale, dk)
                 for d in range(Dv):
                     dv[b, n2, j0 + r, d] = narrow(dv_acc[r, d], dv)
-        if packed:
-            brgemm_release()
 
 
 @njit(**_KERNEL)
@@ -646,8 +625,7 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     smax = softmax_max.detach().float().contiguous().numpy()
     ssum = softmax_sum.detach().float().contiguous().numpy()
     args = _plan_args(plan, q, Skv, want_dpse)
-    packed = _use_brgemm(q, D, v.shape[3])
-    _dynamic(_backward_kernel, _view(q), _view(k), _view(v), dyv, smax, ssum, dr, *args, packed, dq_acc,
+    _dynamic(_backward_kernel, _view(q), _view(k), _view(v), dyv, smax, ssum, dr, *args, dq_acc,
              kernel_view(dk), kernel_view(dv), dpse)
     _finish_dq_kernel(dq_acc, args[-1][0], kernel_view(dq))
     return dq, dk, dv, _reduce_dpse(plan, dpse) if want_dpse else None

@@ -15,6 +15,8 @@ regenerate the very same mask from them, as torch_npu does. Not supported yet (A
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..kernels.dropout import generate_drop_mask
@@ -57,7 +59,7 @@ def _numels(query, key, head_num, input_layout, actual_seq_qlen=None, actual_seq
 
 def _drop_mask(keep_prob, dropout_mask, seed, offset, numels):
     """The explicit mask, or the generated one for (seed, offset, numels) when keep_prob < 1."""
-    if dropout_mask is not None or not isinstance(keep_prob, (int, float)) or isinstance(keep_prob, bool) \
+    if dropout_mask is not None or not isinstance(keep_prob, numbers.Real) or isinstance(keep_prob, bool) \
             or not 0 < keep_prob < 1:
         return dropout_mask
     return generate_drop_mask(seed, offset, numels, keep_prob)

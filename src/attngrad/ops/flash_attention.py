@@ -131,7 +131,8 @@ def _check_layout(op: str, input_layout, softmax_layout) -> str:
     """inputLayout BSH, SBH, BSND or BNSD (TND has its own contract); softmaxLayout must then be ''."""
     check_input_layout(op, input_layout, LAYOUTS)
     if input_layout == "TND":
-        raise invalid(op, "inputLayout", "TND (varlen) layout is not supported yet", "'TND'")
+        raise invalid(op, "inputLayout", "TND (varlen) is not accepted by this API: use "
+                      "aclnnFlashAttentionVarLenScore / aclnnFlashAttentionUnpaddingScoreGrad", "'TND'")
     if softmax_layout not in ("", None):
         raise invalid(op, "softmaxLayout", "must be '' for a non-TND inputLayout", repr(softmax_layout))
     return input_layout

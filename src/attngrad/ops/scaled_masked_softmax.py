@@ -118,10 +118,11 @@ def _kernel_mask(mask: torch.Tensor) -> torch.Tensor:
     return mask if mask.stride(-1) == 1 else mask.contiguous()
 
 
-def forward_kernel(x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Run the fused forward kernel on validated input: x [B,N,S1,S2], mask bool [B|1,N|1,S1,S2] -> a new y
-    like x (float16 input: the scale is rounded to float16 first, as CANN scales in fp16)."""
-    y = torch.empty(x.shape, dtype=x.dtype)
+def forward_kernel(x: torch.Tensor, mask: torch.Tensor, scale: float, y: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the fused forward kernel on validated input: x [B,N,S1,S2], mask bool [B|1,N|1,S1,S2] -> y like x
+    (float16 input: the scale is rounded to float16 first, as CANN scales in fp16). ``y``, when given, is a
+    validated output view (any strides) written in place, as the aclnn layer's caller-owned output."""
+    y = torch.empty(x.shape, dtype=x.dtype) if y is None else y
     if y.numel() == 0:
         return y
     half = x.dtype == torch.float16
@@ -131,10 +132,10 @@ def forward_kernel(x: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.T
     return y
 
 
-def backward_kernel(grad_output, y, mask, scale: float) -> torch.Tensor:
+def backward_kernel(grad_output, y, mask, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Run the fused backward kernel on validated input: grad_output, y [B,N,S1,S2], mask bool
-    [B|1,N|1,S1,S2] -> a new gradient like grad_output."""
-    out = torch.empty(grad_output.shape, dtype=grad_output.dtype)
+    [B|1,N|1,S1,S2] -> the gradient like grad_output, written into ``out`` when given (a validated view)."""
+    out = torch.empty(grad_output.shape, dtype=grad_output.dtype) if out is None else out
     if out.numel() == 0:
         return out
     kernels.scaled_masked_softmax_backward(kernel_view(grad_output), kernel_view(y),
