@@ -20,14 +20,18 @@ float32. Query head n reads kv head ``n // G`` with ``G = N1 // N2``. The math i
 
 Tiles and work split (both cores busy even for one head, results identical for any thread count):
 
-* forward: one task per (b, n1, query block); each task owns its rows, no reduction.
+* forward: one task per (b, n1, query block); each task owns its rows, no reduction. A tile is cut to its
+  leading columns that hold visible keys (:func:`_visible_cols`, e.g. the causal diagonal). bfloat16 runs
+  its two GEMMs on torch's AMX brgemm (:func:`.gemm.brgemm_bf16`) with K and V packed once per call
+  (:func:`_pack_kv_kernel`); plain tiles fuse the scale into the exp sweep (max, exp, rounding of P and the
+  row sum in two sweeps of the row).
 * backward: one task per (b, n2, key chunk); a chunk is a fixed (shape-derived, thread-count
   independent) range of key blocks. A task owns dK/dV of its key blocks (fp32 tile accumulators over
   the G heads and all query blocks, in a fixed order) and adds its dQ contribution into its own fp32
   slice ``dq_acc[chunk]``; the slices are summed in chunk order at the end.
 
-Extra memory: per task a few [BQ, BK] tiles plus the fp32 dQ slices (``chunks * B*N1*Sq*D``): O(S*D),
-never an [Sq, Skv] tensor.
+Extra memory: per task a few [BQ, BK] tiles plus the fp32 dQ slices (``chunks * B*N1*Sq*D``) and the packed
+bf16 K, V of the forward: O(S*D), never an [Sq, Skv] tensor.
 
 Tile classification (``_tile_kind``): a tile entirely outside the visible region (band and prefix) is
 skipped; a tile entirely inside it and without an atten_mask to read takes the fast path without
