@@ -22,7 +22,7 @@ import math
 import torch
 
 from ..kernels import exp_segsum as kernels
-from ..kernels.tensor_view import kernel_view
+from ..kernels.tensor_view import kernel_view, new_output
 from ..validation import (FLOAT_DTYPES, check_dtype, check_output_view, check_rank, check_same_dtype, check_shape,
                           require_tensor)
 
@@ -104,7 +104,7 @@ def _as_rank(t: torch.Tensor, rank: int) -> torch.Tensor:
 def forward_kernel(x: torch.Tensor) -> torch.Tensor:
     """Run the forward kernel on validated input; returns a new ``(..., T, T)`` tensor."""
     t = x.shape[-1]
-    out = torch.empty((*x.shape, t), dtype=x.dtype)
+    out = new_output((*x.shape, t), x.dtype)
     if out.numel() == 0:
         return out
     kernels.exp_segsum_forward(kernel_view(_as_rank(x, 4)), _splits(x[..., 0].numel()),

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..kernels import scaled_masked_softmax as kernels
-from ..kernels.tensor_view import kernel_view
+from ..kernels.tensor_view import kernel_view, new_output
 from ..validation import (FLOAT_DTYPES, check_dim_broadcast, check_dim_equal, check_dtype, check_float,
                           check_output_view, check_range, check_rank, check_same_dtype, check_shape, invalid,
                           require_tensor)
@@ -122,7 +122,7 @@ def forward_kernel(x: torch.Tensor, mask: torch.Tensor, scale: float, y: torch.T
     """Run the fused forward kernel on validated input: x [B,N,S1,S2], mask bool [B|1,N|1,S1,S2] -> y like x
     (float16 input: the scale is rounded to float16 first, as CANN scales in fp16). ``y``, when given, is a
     validated output view (any strides) written in place, as the aclnn layer's caller-owned output."""
-    y = torch.empty(x.shape, dtype=x.dtype) if y is None else y
+    y = new_output(x.shape, x.dtype) if y is None else y
     if y.numel() == 0:
         return y
     half = x.dtype == torch.float16
@@ -135,7 +135,7 @@ def forward_kernel(x: torch.Tensor, mask: torch.Tensor, scale: float, y: torch.T
 def backward_kernel(grad_output, y, mask, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """Run the fused backward kernel on validated input: grad_output, y [B,N,S1,S2], mask bool
     [B|1,N|1,S1,S2] -> the gradient like grad_output, written into ``out`` when given (a validated view)."""
-    out = torch.empty(grad_output.shape, dtype=grad_output.dtype) if out is None else out
+    out = new_output(grad_output.shape, grad_output.dtype) if out is None else out
     if out.numel() == 0:
         return out
     kernels.scaled_masked_softmax_backward(kernel_view(grad_output), kernel_view(y),
