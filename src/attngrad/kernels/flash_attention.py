@@ -16,7 +16,8 @@ float32. Query head n reads kv head ``n // G`` with ``G = N1 // N2``. The math i
   rounded to the input dtype before the dV, dQ and dK GEMMs (CANN casts); fp32 accumulation;
   ``dq = scale * dS K``, ``dk = scale * dS^T Q`` and ``dv = Pd^T dy`` summed over the G query heads of a
   kv head; outputs rounded once (half to even). Optionally dpse (pse_type 0/1) from the fp32 dS in the
-  same tile loop (race-free: each (b, key block) belongs to one task), reduced in a fixed order.
+  same tile loop, accumulated per tile into an fp32 array of pse's own shape (:func:`_add_dpse_row`; a dense
+  [B, N1, Sq, Skv] pse is written straight into the output): the task split (:func:`_dpse_split`) gives every element one owning task, so one fixed summation order.
 
 Tiles and work split (both cores busy even for one head, results identical for any thread count):
 
@@ -31,7 +32,8 @@ Tiles and work split (both cores busy even for one head, results identical for a
   slice ``dq_acc[chunk]``; the slices are summed in chunk order at the end.
 
 Extra memory: per task a few [BQ, BK] tiles plus the fp32 dQ slices (``chunks * B*N1*Sq*D``) and the packed
-bf16 K, V of the forward: O(S*D), never an [Sq, Skv] tensor.
+bf16 K, V of the forward: O(S*D), never an [Sq, Skv] tensor beyond the pse's own (dpse: one fp32 accumulator
+shaped like the pse, never the expanded [B, N1, Sq, Skv]).
 
 Tile classification (``_tile_kind``): a tile entirely outside the visible region (band and prefix) is
 skipped; a tile entirely inside it and without an atten_mask to read takes the fast path without
@@ -50,7 +52,7 @@ from numba import njit, prange, set_parallel_chunksize
 from .flash_attention_plan import MASKED_LOGIT, AttentionPlan
 from .gemm import HAS_BRGEMM, NO_TRANS, TRANS, brgemm_bf16, brgemm_release, gemm
 from .numeric import FASTMATH, exp32, fmaximum, narrow, prefer_512_bit_vectors, widen
-from .tensor_view import kernel_view
+from .tensor_view import kernel_view, new_output
 
 _NEG = np.float32(MASKED_LOGIT)
 _FLT_MAX = np.float32(-MASKED_LOGIT)
@@ -89,6 +91,16 @@ def _visible_cols(i0, rows, j0, cols, nxt, pfx):
     return max(min(cols, last + last % 2), 0)
 
 
+@njit(inline="always")
+def _compressed_source(i, sq, h, skv):
+    """(row, col offset) of query row i in the alibi-compressed pse ``[.., h, Skv]`` (spec 4.3,
+    :func:`~.flash_attention_plan.alibi_source`): key j reads column ``j + offset`` of that row."""
+    if i >= sq - h:
+        return i - (sq - h), 0
+    row = i % h
+    return row, skv - i - h + row
+
+
 @njit(inline="always", fastmath=FASTMATH)
 def _add_pse(s, r, cols, i, j0, b, n, pse, ip, scale):
     """Row r of the tile: raw QK^T -> ``QK^T * scale`` with the pse term of pse_type 0-3, in place.
@@ -113,12 +125,7 @@ def _add_pse(s, r, cols, i, j0, b, n, pse, ip, scale):
         return
     row, off, last = (i if pse.shape[2] > 1 else 0), 0, pse.shape[3] - 1
     if kind == _PSE_COMPRESSED:
-        sq, h = ip[_SQ], pse.shape[2]
-        if i >= sq - h:
-            row = i - (sq - h)
-        else:
-            row = i % h
-            off = pse.shape[3] - i - h + row
+        row, off = _compressed_source(i, ip[_SQ], pse.shape[2], pse.shape[3])
     first = ip[_PSE_FIRST] != 0
     if kind == _PSE_DENSE:
         for c in range(cols):
@@ -375,9 +382,8 @@ def _row_dot_kernel(dy, out, dr):
 def _backward_tile(s, dp, pt, dst, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp,
                    smax, ssum, dr, dpse):
     """P = exp(S - max) * (1 / sum); Pd = P M / keep_prob -> pt and dS = P (dP M / keep_prob - Dr) -> dst (input
-    dtype); with ``ip[_DPSE]`` dS (times scale for pse_type 1) is added into dpse[b, n, i or 0, j]
-    (0 for rows whose max is the fully-masked fill: their logits do not depend on pse). Plain tiles (no score
-    modifier) keep s raw and scale it inside the exp sweep."""
+    dtype); with ``ip[_DPSE]`` dS (times scale for pse_type 1) is added by :func:`_add_dpse_row`. Plain tiles
+    (no score modifier) keep s raw and scale it inside the exp sweep."""
     prefer_512_bit_vectors()
     dropout = ip[_DROPOUT] != 0
     raw = not general and ip[_PSE_KIND] == _PSE_NONE
@@ -404,10 +410,26 @@ def _backward_tile(s, dp, pt, dst, rows, cols, general, b, n, i0, j0, mask, pse,
                 s[r, c] = pr * (dp[r, c] - dri)
                 dst[r, c] = narrow(s[r, c], dst)
         if ip[_DPSE] != 0 and mr > _NEG:
-            factor = fp[0] if ip[_PSE_FIRST] != 0 else np.float32(1.0)
-            row = i if dpse.shape[2] > 1 else 0
-            for c in range(cols):
-                dpse[b, n, row, j0 + c] += s[r, c] * factor
+            _add_dpse_row(s, r, cols, i, j0, b, n, ip, fp, dpse)
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _add_dpse_row(s, r, cols, i, j0, b, n, ip, fp, dpse):
+    """dS of row r (query i, keys j0..j0+cols; times scale for pse_type 1) added into the fp32 accumulator of
+    pse's own shape (or the dpse output itself, see :func:`_dpse_target`), where logit (b, n, i, j) read its
+    pse: ``dpse[b or 0, n, i or 0, j]``, or for the alibi-compressed form the stored element of
+    :func:`_compressed_source`, keys ``j <= i`` only (the causal part; the others are masked). Rows whose max is the fully-masked fill are skipped by the caller (their
+    logits do not depend on pse)."""
+    factor = fp[0] if ip[_PSE_FIRST] != 0 else np.float32(1.0)
+    bp = b if dpse.shape[0] > 1 else 0
+    if ip[_PSE_KIND] == _PSE_COMPRESSED:
+        row, off = _compressed_source(i, ip[_SQ], dpse.shape[2], dpse.shape[3])
+        for c in range(max(min(cols, i - j0 + 1), 0)):
+            dpse[bp, n, row, j0 + c + off] += s[r, c] * factor
+        return
+    row = i if dpse.shape[2] > 1 else 0
+    for c in range(cols):  # widen/narrow: identity on an fp32 accumulator; rounding on a direct output
+        dpse[bp, n, row, j0 + c] = narrow(widen(dpse[bp, n, row, j0 + c]) + s[r, c] * factor, dpse)
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
@@ -441,14 +463,17 @@ def _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip
 
 
 @njit(**_KERNEL)
-def _backward_kernel(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, dq_acc, dk, dv, dpse):
+def _backward_kernel(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, dq_acc, dk, dv, dpse,
+                     batch_tasks):
+    """Tasks (bt, n2, chunk), bt < batch_tasks; a task runs the batches ``bt, bt + batch_tasks, ...`` in order
+    for each of its key blocks (batch_tasks 1: a batch-broadcast dpse is summed over b in one task)."""
     B, N2, Skv, D = k.shape
     Dv = v.shape[3]
     chunks = dq_acc.shape[0]
     nkb = (Skv + _BK - 1) // _BK
     scale = fp[0]
-    for task in prange(B * N2 * chunks):
-        b = task // (N2 * chunks)
+    for task in prange(batch_tasks * N2 * chunks):
+        bt = task // (N2 * chunks)
         n2 = (task // chunks) % N2
         chunk = task % chunks
         s = np.empty((_BQ, _BK), np.float32)
@@ -459,13 +484,14 @@ def _backward_kernel(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, f
         dv_acc = np.empty((_BK, Dv), np.float32)
         for kb in range(chunk * nkb // chunks, (chunk + 1) * nkb // chunks):
             j0 = kb * _BK
-            _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, b, n2, j0,
-                                chunk, dq_acc, s, dp, pt, dst, dk_acc, dv_acc, dpse)
-            for r in range(min(_BK, Skv - j0)):
-                for d in range(D):
-                    dk[b, n2, j0 + r, d] = narrow(dk_acc[r, d] * scale, dk)
-                for d in range(Dv):
-                    dv[b, n2, j0 + r, d] = narrow(dv_acc[r, d], dv)
+            for b in range(bt, B, batch_tasks):
+                _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, b, n2, j0,
+                                    chunk, dq_acc, s, dp, pt, dst, dk_acc, dv_acc, dpse)
+                for r in range(min(_BK, Skv - j0)):
+                    for d in range(D):
+                        dk[b, n2, j0 + r, d] = narrow(dk_acc[r, d] * scale, dk)
+                    for d in range(Dv):
+                        dv[b, n2, j0 + r, d] = narrow(dv_acc[r, d], dv)
 
 
 @njit(**_KERNEL)
@@ -481,23 +507,6 @@ def _finish_dq_kernel(dq_acc, scale, dq):
             for c in range(1, chunks):
                 acc += dq_acc[c, b, n, i, d]
             dq[b, n, i, d] = narrow(acc * scale, dq)
-
-
-@njit(**_KERNEL)
-def _fold_compressed_kernel(full, sq, comp):
-    """dpse of the alibi-compressed pse: ``comp[bp, n, row, col] += full[b, n, i, j]`` along the rule of
-    :func:`_add_pse` (``alibi_source``), b over the batches of bp, in a fixed order; j <= i only (the rest
-    is masked by the causal precondition)."""
-    B, N1, _, Skv = full.shape
-    Bp, _, h, _ = comp.shape
-    for task in prange(Bp * N1):
-        bp = task // N1
-        n = task % N1
-        for b in range(bp, B, Bp):
-            for i in range(sq):
-                row, off = (i - (sq - h), 0) if i >= sq - h else (i % h, Skv - i - h + i % h)
-                for j in range(min(i + 1, Skv)):
-                    comp[bp, n, row, j + off] += full[b, n, i, j]
 
 
 def _dynamic(kernel, *args) -> None:
@@ -583,28 +592,22 @@ def backward_chunks(batch_kv_heads: int, skv: int) -> int:
     return max(1, min(key_blocks, -(-_TARGET_TASKS // batch_kv_heads)))
 
 
-def _dpse_buffer(plan: AttentionPlan, q: torch.Tensor, skv: int) -> np.ndarray:
-    """fp32 dpse accumulator written race-free by the backward tasks: ``[B, N1, 1, Skv]`` for a row-broadcast
-    pse (the rows of a (b, key block) belong to one task), else ``[B, N1, Sq, Skv]`` (reduced afterwards)."""
-    b, n1, sq = q.shape[:3]
-    rows = 1 if plan.pse.shape[2] == 1 and not plan.pse_compressed else sq
-    return np.zeros((b, n1, rows, skv), np.float32)
+def _dpse_target(plan: AttentionPlan, b: int, sq: int) -> tuple[torch.Tensor | None, np.ndarray]:
+    """(output or None, kernel array) of dpse: a dense ``[B, N1, Sq, Skv]`` pse (nothing to sum: each element
+    gets one dS) is written straight into its zero-filled output in pse's dtype; the broadcast and compressed
+    forms sum into an fp32 accumulator of pse's shape (output None: rounded once afterwards)."""
+    shape = tuple(plan.pse.shape)
+    if not plan.pse_compressed and (shape[0], shape[2]) == (b, sq):
+        out = new_output(shape, plan.pse.dtype).zero_()
+        return out, kernel_view(out)
+    return None, new_output(shape, torch.float32).zero_().numpy()
 
 
-def _reduce_dpse(plan: AttentionPlan, acc: np.ndarray) -> torch.Tensor:
-    """The accumulator reduced to pse's shape (batch broadcast summed in batch order; compressed folded)."""
-    if plan.pse_compressed:
-        comp = np.zeros(tuple(plan.pse.shape), np.float32)
-        _fold_compressed_kernel(acc, acc.shape[2], comp)
-        full = torch.from_numpy(comp)
-    elif plan.pse.shape[0] == 1 and acc.shape[0] > 1:
-        full = torch.from_numpy(acc[0].copy())
-        for b in range(1, acc.shape[0]):
-            full += torch.from_numpy(acc[b])
-        full = full.unsqueeze(0)
-    else:
-        full = torch.from_numpy(acc)
-    return full.to(plan.pse.dtype)
+def _dpse_split(plan: AttentionPlan, b: int) -> tuple[int, bool]:
+    """(batch_tasks, single_chunk) of a backward with dpse: a batch-broadcast pse (Bp == 1) puts all batches in
+    one task (batch order), the alibi-compressed form keeps all key blocks in one task (a stored element
+    gathers keys of many blocks), so every accumulator element has one owner and one summation order."""
+    return (b if plan.pse.shape[0] > 1 else 1), plan.pse_compressed
 
 
 def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: AttentionPlan,
@@ -617,19 +620,22 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     B, N1, Sq, D = q.shape
     N2, Skv = k.shape[1], k.shape[2]
     want_dpse = with_dpse and plan.pse is not None and plan.pse_type in (0, 1)
+    batch_tasks, single_chunk = _dpse_split(plan, B) if want_dpse else (B, False)
     dyv = _view(dy)
     dr = np.empty((B, N1, Sq), np.float32)
     _row_dot_kernel(dyv, _view(out), dr)
-    chunks = backward_chunks(B * N2, Skv)
+    chunks = 1 if single_chunk else backward_chunks(batch_tasks * N2, Skv)
     dq_acc = np.zeros((chunks, B, N1, Sq, D), np.float32)
     dq = torch.empty(q.shape, dtype=q.dtype)
     dk = torch.empty(k.shape, dtype=q.dtype)
     dv = torch.empty(v.shape, dtype=q.dtype)
-    dpse = _dpse_buffer(plan, q, Skv) if want_dpse else np.zeros((1, 1, 1, 1), np.float32)
+    dpse_out, dpse = _dpse_target(plan, B, Sq) if want_dpse else (None, np.zeros((1, 1, 1, 1), np.float32))
     smax = softmax_max.detach().float().contiguous().numpy()
     ssum = softmax_sum.detach().float().contiguous().numpy()
     args = _plan_args(plan, q, Skv, want_dpse)
     _dynamic(_backward_kernel, _view(q), _view(k), _view(v), dyv, smax, ssum, dr, *args, dq_acc,
-             kernel_view(dk), kernel_view(dv), dpse)
+             kernel_view(dk), kernel_view(dv), dpse, batch_tasks)
     _finish_dq_kernel(dq_acc, args[-1][0], kernel_view(dq))
-    return dq, dk, dv, _reduce_dpse(plan, dpse) if want_dpse else None
+    if want_dpse and dpse_out is None:
+        dpse_out = torch.from_numpy(dpse).to(plan.pse.dtype)
+    return dq, dk, dv, dpse_out
