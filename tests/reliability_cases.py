@@ -16,6 +16,8 @@ reference. Nothing else is allowed: no other exception type, no wrong data.
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -436,11 +438,90 @@ FA_DEFAULTS = {"pse": None, "drop_mask": None, "padding_mask": None, "atten_mask
                "pse_type": 1, "softmax_layout": "", "actual_seq_qlen": None, "actual_seq_kvlen": None}
 
 
-def fa_forward_args(rng, dtype, layer=None, layout: str | None = None) -> dict:
+def fa_forward_args(rng, dtype, layer=None, layout: str | None = None, features: bool = False,
+                    dropout: bool = True) -> dict:
+    """A valid call; with ``features`` (the operator descriptions) some of the valid optional inputs of
+    :func:`fa_valid_options` too (``dropout``: an explicit dropMask may be among them)."""
     geo = fa_geometry(rng, layout)
     q, k, v, _ = fa_tensors(geo, dtype, rng)
-    return {"query": q, "key": k, "value": v, "head_num": geo["n1"], "input_layout": geo["layout"],
-            **FA_DEFAULTS}
+    a = {"query": q, "key": k, "value": v, "head_num": geo["n1"], "input_layout": geo["layout"], **FA_DEFAULTS}
+    if features:
+        a |= fa_valid_options(random.Random(rng.randrange(2**31)), geo, dtype, dropout,
+                              pse_types=(0, 1) if layer in ("torch", "npu_v2", "aclnn") else (1,))
+    return a
+
+
+COMPRESSED = 2048  # the [2048, 2048] attenMask of sparse modes 2/3/4
+
+
+def fa_valid_options(rng, geo: dict, dtype, dropout: bool = True, pse_types: tuple = (0, 1)) -> dict:
+    """VALID optional inputs, each drawn with probability 1/2: a bool/uint8 attenMask with sparseMode 0..4
+    (element-wise [B|1, N1|1, Sq, Skv] / [Sq, Skv] for modes 0/1, the compressed [2048, 2048] for 2/3/4,
+    mode 4 with non-negative tokens), a float pse [B, N1, Sq, Skv] or [B, N1, 1, Skv] (of ``pse_types``: the
+    V1 entry points run pseType 1),
+    keepProb < 1 with a uint8 dropMask of ceil(B*N1*Sq*Skv/8) (+ slack) bytes."""
+    b, n1, sq, skv = geo["b"], geo["n1"], geo["sq"], geo["skv"]
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    opts = {}
+    if rng.random() < 0.5:
+        mode = rng.randrange(5)
+        if mode <= 1:
+            shape = rng.choice([[sq, skv], [1, 1, sq, skv], [b, 1, sq, skv], [b, n1, sq, skv]])
+        else:
+            shape = rng.choice([[COMPRESSED, COMPRESSED], [1, 1, COMPRESSED, COMPRESSED]])
+        mask = torch.rand(shape, generator=g) < rng.choice([0.0, 0.3, 0.7])
+        opts.update(atten_mask=mask.to(rng.choice([torch.bool, torch.uint8])), sparse_mode=mode)
+        if mode == 4:
+            opts.update(pre_tokens=rng.choice([0, 1, 3, 2147483647]), next_tokens=rng.choice([0, 2, 2147483647]))
+    if rng.random() < 0.5:
+        rows = rng.choice([sq, 1])
+        opts.update(pse=(torch.randn(b, n1, rows, skv, generator=g) * 0.5).to(dtype), pse_type=rng.choice(pse_types))
+    if dropout and rng.random() < 0.5:
+        need = -(-b * n1 * sq * skv // 8) + rng.choice([0, 0, 3])
+        opts.update(keep_prob=rng.choice([0.5, 0.9]), drop_mask=torch.randint(0, 256, (need,), generator=g,
+                                                                               dtype=torch.uint8))
+    return opts
+
+
+UNBOUNDED = 2147483647
+
+
+def _golden_rule(a: dict, sq: int, skv: int) -> tuple:
+    """Spec 3.1-3.2, written out: ``(pre, next, prefix, mask applied element-wise)`` in left-up origin for
+    sparseMode / tokens / prefix; without attenMask everything is visible."""
+    if a["atten_mask"] is None:
+        return UNBOUNDED, UNBOUNDED, None, False
+    mode, pre, nxt, prefix = int(a["sparse_mode"]), int(a["pre_tokens"]), int(a["next_tokens"]), a["prefix"]
+    rules = {0: (pre, nxt), 1: (UNBOUNDED, UNBOUNDED), 2: (UNBOUNDED, 0), 3: (UNBOUNDED, skv - sq),
+             4: (pre + sq - skv, nxt + skv - sq)}
+    if mode in (5, 6) and prefix is not None:
+        return UNBOUNDED, skv - sq, tuple(int(p) for p in prefix), mode == 5
+    band = rules.get(mode, (UNBOUNDED, UNBOUNDED))
+    return *band, None, mode in (0, 1, 5)
+
+
+def _rows_without_keys(b: int, sq: int, skv: int, pre: int, nxt: int, prefix) -> bool:
+    i, j = torch.arange(sq).view(sq, 1), torch.arange(skv).view(1, skv)
+    band = (j >= i - pre) & (j <= i + nxt)
+    for p in prefix or (0,):
+        if sq and skv and not bool((band | (j < p)).any(dim=1).all()):
+            return True
+    return False
+
+
+def golden_plan(a: dict, b: int, n1: int, sq: int, skv: int, mask=None, drop_mask=None) -> AttentionPlan:
+    """The float64 reference's plan of an ACCEPTED BNSD call (``mask`` / ``drop_mask``: the varlen caller's
+    per-batch slices), derived from the arguments by the spec rules, not by the contract."""
+    pre, nxt, prefix, read_mask = _golden_rule(a, sq, skv)
+    mask = a["atten_mask"] if mask is None else mask
+    keep = float(a["keep_prob"])
+    pse = a["pse"]
+    return AttentionPlan(
+        scale=float(a["scale_value"]), pse_type=int(a["pse_type"]), pre_tokens=pre, next_tokens=nxt,
+        prefix=prefix, atten_mask=mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape)) if read_mask else None,
+        keep_prob=keep, drop_mask=(a["drop_mask"] if drop_mask is None else drop_mask) if keep < 1 else None,
+        pse=None if pse is None else pse.detach(),
+        invalid_rows=int(a["inner_precise"]) == 2 or _rows_without_keys(b, sq, skv, pre, nxt, prefix))
 
 
 def fa_problem(a: dict):
@@ -450,10 +531,7 @@ def fa_problem(a: dict):
     d = q.shape[-1]
     n2 = a["key"].shape[2] // d if layout in ("BSH", "SBH") else a["key"].shape[1 if layout == "BNSD" else 2]
     k, v = to_bnsd(a["key"].detach(), layout, n2), to_bnsd(a["value"].detach(), layout, n2)
-    keep = float(a["keep_prob"])
-    plan = AttentionPlan(scale=float(a["scale_value"]), keep_prob=keep,
-                         drop_mask=a["drop_mask"] if keep < 1 else None)
-    return q, k, v, n2, plan
+    return q, k, v, n2, golden_plan(a, q.shape[0], n1, q.shape[2], k.shape[2])
 
 
 def fa_golden_forward(a: dict):
@@ -461,8 +539,9 @@ def fa_golden_forward(a: dict):
     return flash_attention_forward_reference(q, k, v, plan)
 
 
-def fa_grad_args(rng, dtype, layer=None) -> dict:
-    a = fa_forward_args(rng, dtype, layer)
+def fa_grad_args(rng, dtype, layer=None, features: bool = True) -> dict:
+    """A valid grad call; the npu grad names take no dropMask (they draw their own): no dropout there."""
+    a = fa_forward_args(rng, dtype, layer, features=features, dropout=layer not in ("npu", "npu_v2"))
     geo_dy = fa_tensors({"layout": a["input_layout"], **_geo_of(a)}, dtype, rng)[3]
     a["dy"] = geo_dy
     saved = layer in ACL or rng.random() < 0.5
@@ -530,14 +609,15 @@ def fa_grad_check(a, res):
     golden = flash_attention_backward_reference(q, k, v, dy, out, m.float(), s.float(), plan, round_to)
     # dS = P (dP - Dr) cancels exactly when a row attends one key (Skv = 1): the golden is ~0 there and the
     # kernel's fp32 rounding of dP - Dr is all that is left; judge it against the size of the terms.
-    floor = NORM_REL_TOL[dtype] * abs(plan.scale) * float(dy.double().norm()) * _amax(v) * max(_amax(q), _amax(k))
+    floor = NORM_REL_TOL[dtype] * _scale32(plan.scale) * float(dy.double().norm()) * _amax(v) * max(_amax(q), _amax(k))
     for name, ref, want in zip(("dq", "dk", "dv"), (a["query"], a["key"], a["value"]), golden):
-        got = res[name].detach()
-        assert got.shape == ref.shape and got.dtype == dtype, name
-        want = from_bnsd(want, layout)
-        report = compare(got, want, dtype)
-        err = float((got.double() - want).nan_to_num(0.0).norm())
-        assert report.passed or (report.special_ok and err <= floor), f"{name}: {report}, |err| {err} > {floor}"
+        _grad_close(name, res[name].detach(), ref, from_bnsd(want, layout), floor)
+
+
+def _scale32(scale) -> float:
+    """|scaleValue| as the kernels apply it (float32: 1e308 is inf)."""
+    with np.errstate(over="ignore"):
+        return abs(float(np.float32(float(scale))))
 
 
 def _amax(t: torch.Tensor) -> float:
@@ -644,7 +724,7 @@ FA_FORWARD = Op(
     outs=(Param("softmax_max", "softmaxMaxOut", "out", required=ACL),
           Param("softmax_sum", "softmaxSumOut", "out", required=ACL),
           Param("attention_out", "attentionOutOut", "out", required=ACL)),
-    build=fa_forward_args,
+    build=lambda rng, dtype, layer: fa_forward_args(rng, dtype, layer, features=True),
     out_specs=lambda a: {"softmax_max": ((*_stats_shape(a),), torch.float32),
                          "softmax_sum": ((*_stats_shape(a),), torch.float32),
                          "attention_out": (_out_shape(a), a["query"].dtype)},
@@ -691,7 +771,291 @@ FA_GRAD = Op(
     check=fa_grad_check, extra_names=FA_EXTRA,
     data_names=("query", "key", "value", "dy", "attention_in", "dq", "dk", "dv"))
 
-OPS = {op.name: op for op in (SMS_FORWARD, SMS_BACKWARD, SEG_FORWARD, SEG_BACKWARD, FA_FORWARD, FA_GRAD)}
+# ------------------------------------------------------------------------------------ varlen (TND) FlashAttention
+def _tnd_lengths(rng) -> tuple[list, list, int, int]:
+    """Cumulative ends of 1-3 batches (empty ones included) and T1 / T2, which may exceed the totals (when
+    both do, the tail rule needs trailing (0, 0) entries; they are sometimes there anyway)."""
+    pairs = [rng.choice([(0, 0), (0, 2), (1, 1), (2, 3), (3, 1), (5, 4), (4, 6)]) for _ in range(rng.choice([1, 2, 3]))]
+    cum_q, cum_kv = list(itertools.accumulate(p[0] for p in pairs)), list(itertools.accumulate(p[1] for p in pairs))
+    t1, t2 = cum_q[-1] + rng.choice([0, 0, 2]), cum_kv[-1] + rng.choice([0, 0, 1])
+    if (t1 > cum_q[-1] and t2 > cum_kv[-1]) or rng.random() < 0.2:
+        cum_q, cum_kv = cum_q + [0], cum_kv + [0]
+    return cum_q, cum_kv, t1, t2
+
+
+def varlen_forward_args(rng, dtype, layer=None) -> dict:
+    """A valid TND call: query [T1, N1, D], key [T2, N2, D], value [T2, N2, Dv], cumulative lengths (lists;
+    torch / npu names also 1-D int32/int64 tensors), softmax_layout "", "TND" or None (torch / npu names;
+    aclnn: CANN's default)."""
+    cum_q, cum_kv, t1, t2 = _tnd_lengths(rng)
+    n2 = rng.choice([1, 2])
+    n1, d = n2 * rng.choice([1, 2]), rng.choice([1, 2, 4, 8, 16])
+    dv = rng.choice([d, max(1, d // 2)])
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    q, k, v = ((torch.randn(*s, generator=g) * 0.7).to(dtype) for s in ((t1, n1, d), (t2, n2, d), (t2, n2, dv)))
+    seq = [cum_q, cum_kv]
+    if layer not in ACL and rng.random() < 0.3:  # aclnn: an aclIntArray (a Python list), never a tensor
+        seq = [torch.tensor(c, dtype=rng.choice([torch.int32, torch.int64])) for c in seq]
+    return {"query": q, "key": k, "value": v, "head_num": n1, "input_layout": "TND", **FA_DEFAULTS,
+            "actual_seq_qlen": seq[0], "actual_seq_kvlen": seq[1],
+            "softmax_layout": "" if layer in ACL else rng.choice(["", "TND", None])}
+
+
+def seq_ends(values) -> list[int]:
+    """The cumulative ends an ACCEPTED call ran with, active batches only (trailing (0, 0) entries off)."""
+    return [int(v) for v in (values.tolist() if isinstance(values, torch.Tensor) else values)]
+
+
+def varlen_batches(a: dict) -> list[tuple[int, int, int, int]]:
+    """``(q0, q1, k0, k1)`` of every active batch of an accepted call."""
+    cq, ck = seq_ends(a["actual_seq_qlen"]), seq_ends(a["actual_seq_kvlen"])
+    while cq and cq[-1] == 0 and ck[-1] == 0:
+        cq, ck = cq[:-1], ck[:-1]
+    return [(cq[b - 1] if b else 0, cq[b], ck[b - 1] if b else 0, ck[b]) for b in range(len(cq))]
+
+
+def _tnd_to_bnsd(t: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    return t.detach()[r0:r1].permute(1, 0, 2).unsqueeze(0)
+
+
+def _batch_drop_bits(a: dict, start: int, count: int):
+    """Batch b's dropMask bits (``count`` bits from bit ``start`` of the LSB-first mask), repacked (spec 7.2)."""
+    if float(a["keep_prob"]) >= 1:
+        return None
+    bits = np.unpackbits(a["drop_mask"].reshape(-1).numpy(), bitorder="little")[start:start + count]
+    return torch.from_numpy(np.packbits(bits, bitorder="little"))
+
+
+def varlen_golden(a: dict, dy=None, saved=None):
+    """Float64 packed golden per batch: forward ``(out [T1,N1,Dv], max, sum [T1,N1])`` (true TND order);
+    with ``dy`` the grads ``(dq, dk, dv)`` using ``saved = (out, max, sum)`` (recomputed when None)."""
+    q, k, v, n1 = a["query"], a["key"], a["value"], a["head_num"]
+    t1, dtype = q.shape[0], q.dtype
+    out = torch.zeros(t1, n1, v.shape[2], dtype=torch.float64)
+    stats = [torch.zeros(t1, n1, dtype=torch.float64) for _ in range(2)]
+    grads = [torch.zeros(t.shape, dtype=torch.float64) for t in (q, k, v)]
+    score = 0
+    for q0, q1, k0, k1 in varlen_batches(a):
+        sq, skv = q1 - q0, k1 - k0
+        plan = golden_plan(a, 1, n1, sq, skv, drop_mask=_batch_drop_bits(a, score, n1 * sq * skv))
+        score += n1 * sq * skv
+        if not sq:
+            continue
+        bq, bk, bv = _tnd_to_bnsd(q, q0, q1), _tnd_to_bnsd(k, k0, k1), _tnd_to_bnsd(v, k0, k1)
+        o, m, s = flash_attention_forward_reference(bq, bk, bv, plan)
+        out[q0:q1], stats[0][q0:q1], stats[1][q0:q1] = o[0].permute(1, 0, 2), m[0].T, s[0].T
+        if dy is None or not skv:
+            continue
+        bo, bm, bs = ((o.to(dtype), m, s) if saved is None else
+                      (_tnd_to_bnsd(saved[0], q0, q1), saved[1][q0:q1].T[None], saved[2][q0:q1].T[None]))
+        round_to = None if dtype == torch.float32 else dtype
+        got = flash_attention_backward_reference(bq, bk, bv, _tnd_to_bnsd(dy, q0, q1), bo, bm.float(), bs.float(),
+                                                 plan, round_to)
+        for grad, g, (r0, r1) in zip(grads, got, ((q0, q1), (k0, k1), (k0, k1))):
+            grad[r0:r1] = g[0].permute(1, 0, 2)
+    return (out, *stats) if dy is None else tuple(grads)
+
+
+def tnd_stats(stats: torch.Tensor, layout, a: dict) -> torch.Tensor:
+    """Element 0 of [T1, N1, 8] stats in ``layout`` data order ("" / None: per-batch [N1, Sq_b] blocks) as
+    [T1, N1] in true TND order."""
+    first = stats.detach()[..., 0]
+    if layout == "TND":
+        return first
+    n1, flat, out = first.shape[1], first.reshape(-1), torch.zeros(first.shape, dtype=first.dtype)
+    for q0, q1, _, _ in varlen_batches(a):
+        out[q0:q1] = flat[q0 * n1:q1 * n1].view(n1, q1 - q0).T
+    return out
+
+
+def pack_stats(stats: torch.Tensor, layout, a: dict) -> torch.Tensor:
+    """The inverse of :func:`tnd_stats`: [T1, N1] true TND order -> [T1, N1, 8] float32 in ``layout`` order."""
+    if layout != "TND":
+        n1, flat = stats.shape[1], torch.zeros(stats.numel(), dtype=stats.dtype)
+        for q0, q1, _, _ in varlen_batches(a):
+            flat[q0 * n1:q1 * n1] = stats[q0:q1].T.reshape(-1)
+        stats = flat.view(stats.shape)
+    return stats.float().unsqueeze(-1).expand(*stats.shape, 8).contiguous()
+
+
+def varlen_forward_check(a, res):
+    q = a["query"]
+    got = res["attention_out"]
+    if _generated_dropout(a):
+        assert got.dtype == q.dtype and bool(torch.isfinite(got).all())
+        return
+    out, m, s = varlen_golden(a)
+    assert got.dtype == q.dtype and got.shape == out.shape, (got.dtype, got.shape)
+    assert_close(got.detach(), out, q.dtype)
+    for name, want in (("softmax_max", m), ("softmax_sum", s)):
+        stats = res[name]
+        assert stats.dtype == torch.float32 and stats.shape == (*want.shape, 8), (name, stats.shape)
+        assert same_bits(stats, stats[..., :1].expand_as(stats)), f"{name}: the 8 copies differ"
+        _finite_close(tnd_stats(stats, a["softmax_layout"], a), want, torch.float32)
+
+
+def varlen_grad_args(rng, dtype, layer=None) -> dict:
+    a = varlen_forward_args(rng, dtype, layer)
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    a["dy"] = (torch.randn(a["query"].shape[0], a["head_num"], a["value"].shape[2], generator=g) * 0.7).to(dtype)
+    a.update(softmax_max=None, softmax_sum=None, attention_in=None, softmax_in=None)
+    if layer in ACL or rng.random() < 0.5:
+        out, m, s = varlen_golden(a)
+        a.update(attention_in=out.to(dtype), softmax_max=pack_stats(m, a["softmax_layout"], a),
+                 softmax_sum=pack_stats(s, a["softmax_layout"], a))
+    return a
+
+
+def varlen_grad_check(a, res):
+    if _generated_dropout(a):
+        return _plain_check(a, res, (("dq", "query"), ("dk", "key"), ("dv", "value")))
+    saved = None
+    if a["softmax_max"] is not None:
+        saved = (a["attention_in"], tnd_stats(a["softmax_max"], a["softmax_layout"], a),
+                 tnd_stats(a["softmax_sum"], a["softmax_layout"], a))
+    golden = varlen_golden(a, a["dy"].detach(), saved)
+    q, dtype = a["query"], a["query"].dtype
+    floor = (NORM_REL_TOL[dtype] * _scale32(a["scale_value"]) * float(a["dy"].detach().double().norm())
+             * _amax(a["value"]) * max(_amax(q), _amax(a["key"])))
+    for name, ref, want in zip(("dq", "dk", "dv"), (q, a["key"], a["value"]), golden):
+        _grad_close(name, res[name].detach(), ref, want, floor)
+
+
+def _grad_close(name: str, got, ref, want, floor: float) -> None:
+    """A gradient against its float64 golden; where the golden cancels to ~0 (rows attending one key) the
+    kernel's fp32 rounding is judged against ``floor``, the size of the terms. An infinite float32 scale
+    (inf, 1e308) makes every product order its own mix of nan and +-inf: there the golden's non-finite
+    positions must be non-finite and the finite ones close."""
+    assert got.shape == ref.shape and got.dtype == ref.dtype, name
+    if not math.isfinite(floor):
+        special = ~torch.isfinite(want)
+        assert not bool(torch.isfinite(got[special]).any()), f"{name}: finite where the golden is not"
+        got, want = got[~special], want[~special]
+    report = compare(got, want, ref.dtype)
+    err = float((got.double() - want).nan_to_num(0.0).norm())
+    assert report.passed or (report.special_ok and err <= floor), f"{name}: {report}, |err| {err} > {floor}"
+
+
+VARLEN_FWD_V2 = (aclnn.aclnnFlashAttentionVarLenScoreV2GetWorkspaceSize, aclnn.aclnnFlashAttentionVarLenScoreV2)
+VARLEN_FWD_V1 = (aclnn.aclnnFlashAttentionVarLenScoreGetWorkspaceSize, aclnn.aclnnFlashAttentionVarLenScore)
+VARLEN_GRAD_V2 = (aclnn.aclnnFlashAttentionUnpaddingScoreGradV2GetWorkspaceSize,
+                  aclnn.aclnnFlashAttentionUnpaddingScoreGradV2)
+VARLEN_GRAD_V1 = (aclnn.aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize,
+                  aclnn.aclnnFlashAttentionUnpaddingScoreGrad)
+
+
+def _acl_ints(values):
+    """A list of Python ints as an aclIntArray (what a C caller builds); anything else as it is."""
+    if isinstance(values, list) and all(type(v) is int for v in values):
+        return aclnn.aclCreateIntArray(values, len(values))
+    return values
+
+
+def _varlen_acl(a, o, pair, head: tuple, outs: tuple, v2: bool):
+    """Varlen aclnn call: ``head`` (tensors up to prefix), the two length arrays, [qStartIdx, kvStartIdx],
+    the FlashAttentionScore attributes, [pseType], ``outs``."""
+    attrs = (a["scale_value"], a["keep_prob"], a["pre_tokens"], a["next_tokens"], a["head_num"], a["input_layout"],
+             a["inner_precise"], a["sparse_mode"])
+    seq = (_acl_ints(a["actual_seq_qlen"]), _acl_ints(a["actual_seq_kvlen"]))
+    if v2:
+        return run_two_phase(pair, *head, *seq, a["q_start_idx"], a["kv_start_idx"], *attrs, a["pse_type"], *outs)
+    return run_two_phase(pair, *head, *seq, *attrs, *outs)
+
+
+def _varlen_acl_fwd(a, o, v2):
+    head = (a["query"], a["key"], a["value"], a["pse"], a["drop_mask"], a["padding_mask"], a["atten_mask"],
+            a["prefix"])
+    outs = (o["softmax_max"], o["softmax_sum"], None, o["attention_out"])
+    return _varlen_acl(a, o, VARLEN_FWD_V2 if v2 else VARLEN_FWD_V1, head, outs, v2)
+
+
+def _varlen_acl_grad(a, o, v2):
+    head = (a["query"], a["key"], a["value"], a["dy"], a["pse"], a["drop_mask"], a["padding_mask"], a["atten_mask"],
+            a["softmax_max"], a["softmax_sum"], a["softmax_in"], a["attention_in"], a["prefix"])
+    return _varlen_acl(a, o, VARLEN_GRAD_V2 if v2 else VARLEN_GRAD_V1, head, (o["dq"], o["dk"], o["dv"], None), v2)
+
+
+def _bump_last(delta: int):
+    return lambda t, r: (list(t[:-1]) + [int(t[-1]) + delta]) if _is_seq(t) and len(t) else t
+
+
+def _is_seq(t) -> bool:
+    return isinstance(t, (list, tuple)) or (isinstance(t, torch.Tensor) and t.dim() == 1)
+
+
+def _seq(fn):
+    """A length-array mutation acting on the array as a list of ints (absent / malformed: left as it is)."""
+    return lambda t, r: fn([int(v) for v in t], r) if _is_seq(t) and len(t) else t
+
+
+def _non_cumulative(c: list, r) -> list:
+    """Per-batch lengths instead of cumulative ends, or a decreasing pair."""
+    lengths = [b - a for a, b in zip([0] + c[:-1], c)]
+    return lengths if lengths != c else c + [max(c) + 2, max(c) + 1]
+
+
+SEQ_ATTRS = {
+    "none": lambda t, r: None, "empty": lambda t, r: [], "non_cumulative": _seq(_non_cumulative),
+    "decreasing": _seq(lambda c, r: c[::-1] + [0] if len(c) > 1 else [c[0] + 1, c[0]]),
+    "negative": _seq(lambda c, r: [-1] + c[1:]), "negative_last": _seq(lambda c, r: c[:-1] + [-c[-1] - 1]),
+    "drop_last": _seq(lambda c, r: c[:-1]), "extra_entry": _seq(lambda c, r: c + [c[-1] + 1]),
+    "extra_zero": _seq(lambda c, r: c + [0]), "beyond_t": _seq(lambda c, r: c[:-1] + [c[-1] + 1000]),
+    "plus_one": _bump_last(1), "minus_one": _seq(lambda c, r: c[:-1] + [max(c[-1] - 1, 0)]),
+    "strip_tail_zero": _seq(lambda c, r: c[:-1] if len(c) > 1 and c[-1] == 0 else c),
+    "huge": _seq(lambda c, r: c[:-1] + [2**63]), "huge_neg": _seq(lambda c, r: [-2**63 - 1] + c[1:]),
+    "floats": _seq(lambda c, r: [float(v) for v in c]), "frac": _seq(lambda c, r: c[:-1] + [c[-1] + 0.5]),
+    "bools": _seq(lambda c, r: [bool(v) for v in c]), "strs": _seq(lambda c, r: [str(v) for v in c]),
+    "none_in": _seq(lambda c, r: c[:-1] + [None]), "nested": _seq(lambda c, r: [c]),
+    "tuple": _seq(lambda c, r: tuple(c)), "numpy": _seq(lambda c, r: np.array(c)),
+    "str": lambda t, r: "1,2", "int": lambda t, r: 5, "float": lambda t, r: 2.0,
+    "tensor_int32": _seq(lambda c, r: torch.tensor(c, dtype=torch.int32)),
+    "tensor_int64": _seq(lambda c, r: torch.tensor(c, dtype=torch.int64)),
+    "tensor_int8": _seq(lambda c, r: torch.tensor([min(v, 127) for v in c], dtype=torch.int8)),
+    "tensor_float": _seq(lambda c, r: torch.tensor(c, dtype=torch.float32)),
+    "tensor_bool": _seq(lambda c, r: torch.tensor(c, dtype=torch.bool)),
+    "tensor_2d": _seq(lambda c, r: torch.tensor([c])), "tensor_0d": _seq(lambda c, r: torch.tensor(c[-1])),
+    "tensor_noncontig": _seq(lambda c, r: torch.tensor([v for v in c for _ in (0, 1)])[::2]),
+}
+CATALOGS["seqlen"] = SEQ_ATTRS
+SOFTMAX_LAYOUTS = _consts({"empty": "", "TND": "TND", "none": None, "lower": "tnd", "BSND": "BSND", "BNSD": "BNSD",
+                           "space": "TND ", "int": 0, "bytes": b"TND", "list": ["TND"]})
+CATALOGS["softmax_layout"] = SOFTMAX_LAYOUTS
+
+VARLEN_COMMON = (*(p for p in FA_COMMON if not p.name.startswith(("actual_seq", "softmax_layout", "input_layout"))),
+                 Param("input_layout", "inputLayout", "str"),
+                 Param("softmax_layout", "softmaxLayout", "softmax_layout", layers=NO_ACL),
+                 Param("actual_seq_qlen", "actualSeqQLen", "seqlen"),
+                 Param("actual_seq_kvlen", "actualSeqKvLen", "seqlen"))
+VARLEN_EXTRA = (*FA_EXTRA, "actualSeqQLen length (batch count)", "preTokens/nextTokens")
+
+VARLEN_FORWARD = Op(
+    "flash_attention_varlen",
+    params=(*FA_FORWARD.params[:5], *VARLEN_COMMON),
+    outs=FA_FORWARD.outs,
+    build=varlen_forward_args,
+    out_specs=lambda a: {"softmax_max": ((*a["query"].shape[:2], 8), torch.float32),
+                         "softmax_sum": ((*a["query"].shape[:2], 8), torch.float32),
+                         "attention_out": ((*a["query"].shape[:2], a["value"].shape[2]), a["query"].dtype)},
+    callers={**{k: FA_FORWARD.callers[k] for k in ("torch", "npu", "npu_v2")},
+             "aclnn": lambda a, o: _varlen_acl_fwd(a, o, True),
+             "aclnn_v1": lambda a, o: _varlen_acl_fwd(a, o, False)},
+    check=varlen_forward_check, extra_names=VARLEN_EXTRA, data_names=FA_FORWARD.data_names)
+
+VARLEN_GRAD = Op(
+    "flash_attention_varlen_grad",
+    params=(*FA_GRAD.params[:10], *VARLEN_COMMON),
+    outs=FA_GRAD.outs,
+    build=varlen_grad_args,
+    out_specs=FA_GRAD.out_specs,
+    callers={**{k: FA_GRAD.callers[k] for k in ("torch", "npu", "npu_v2")},
+             "aclnn": lambda a, o: _varlen_acl_grad(a, o, True),
+             "aclnn_v1": lambda a, o: _varlen_acl_grad(a, o, False)},
+    check=varlen_grad_check, extra_names=VARLEN_EXTRA, data_names=FA_GRAD.data_names)
+
+VARLEN_OPS = (VARLEN_FORWARD.name, VARLEN_GRAD.name)  # their suite: tests/test_reliability_varlen.py
+OPS = {op.name: op for op in (SMS_FORWARD, SMS_BACKWARD, SEG_FORWARD, SEG_BACKWARD, FA_FORWARD, FA_GRAD,
+                              VARLEN_FORWARD, VARLEN_GRAD)}
+
 
 
 # ------------------------------------------------------------------------------------------ judging
@@ -826,6 +1190,30 @@ def malformed_family_child(op_name: str, max_examples: int, seed_value: int) -> 
     in-process sweep leaves out (npu names, aclnn V1) and one generated family, then a marker on stdout."""
     for case in single_mutation_cases(op_name, ("data", "mask", "stats", "out", "opt"), ("npu", "npu_v2",
                                                                                          "aclnn_v1")):
+        run_case(case)
+    malformed_family(op_name, max_examples, seed_value)
+    print(f"family {op_name} ok")
+
+
+def run_valid(case) -> dict:
+    """Run the unmutated valid call of ``(op, layer, dtype name, seed)``: it must succeed and match the
+    golden. Returns its arguments."""
+    op_name, layer, dtype_name, seed_value = case
+    op, args, outs = build_case((op_name, layer, dtype_name, seed_value, ()))
+    if layer in ACL:
+        status = op.callers[layer](args, outs)
+        assert status == SUCCESS, f"{case}: status {status}: {aclnn.aclGetRecentErrMsg()}"
+        op.check(args, outs)
+    else:
+        op.check(args, op.callers[layer](args, outs))
+    return args
+
+
+def varlen_child(op_name: str, max_examples: int, seed_value: int) -> None:
+    """Child-process entry point for a varlen operator: every single length-array / softmaxLayout mutation
+    on the entry points the in-process tests leave out (npu names, aclnn V1), then a generated family (all
+    entry points and mutation kinds), then a marker on stdout."""
+    for case in single_mutation_cases(op_name, ("seqlen", "softmax_layout"), ("npu", "npu_v2", "aclnn_v1")):
         run_case(case)
     malformed_family(op_name, max_examples, seed_value)
     print(f"family {op_name} ok")

@@ -138,3 +138,18 @@ def check_float(op: str, name: str, value) -> float:
         return float(value)
     except OverflowError:  # a Python int beyond the double range
         raise invalid(op, name, "must be representable as a double", value) from None
+
+
+def check_int_list(op: str, name: str, values) -> list[int] | None:
+    """prefix / start indices / sequence lengths: a list (or 1-D integer CPU tensor) of integers."""
+    if values is None:
+        return None
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu" or values.dim() > 1 or values.dtype.is_floating_point \
+                or values.dtype.is_complex or values.dtype == torch.bool:
+            raise invalid(op, name, "must be a 1-D integer list (or CPU integer tensor)",
+                          f"{values.dim()}-D {values.dtype} on {values.device}")
+        values = values.tolist()
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise invalid(op, name, "must be a list of integers", repr(values))
+    return [check_int(op, name, v) for v in values]

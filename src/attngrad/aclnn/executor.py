@@ -8,7 +8,7 @@ import torch
 
 from ..errors import (ACLNN_ERR_INNER, ACLNN_ERR_INNER_NOT_TRANS_EXECUTOR, ACLNN_ERR_PARAM_INVALID,
                       ACLNN_ERR_PARAM_NULLPTR, ACLNN_ERR_RUNTIME_ERROR, ACLNN_SUCCESS, AclnnError)
-from ..validation import invalid
+from ..validation import check_int_list, invalid
 from .runtime import ACL_FORMAT_ND, AclIntArray, AclTensor, record_error
 
 
@@ -42,15 +42,8 @@ def as_torch_views(op: str, named: dict) -> dict:
 
 
 def as_ints(op: str, name: str, array) -> list[int] | None:
-    """An aclIntArray (or Python sequence) argument as a list of ints."""
-    if array is None:
-        return None
-    if isinstance(array, AclIntArray):
-        return list(array.values)
-    try:
-        return [int(v) for v in array]
-    except (TypeError, ValueError):
-        raise invalid(op, name, "must be an aclIntArray", type(array).__name__) from None
+    """An aclIntArray (or Python sequence) argument as a list of ints; non-integers are 161002."""
+    return check_int_list(op, name, array.values if isinstance(array, AclIntArray) else array)
 
 
 def check_formats_nd(op: str, named: dict) -> None:

@@ -229,8 +229,9 @@ class AclIntArray:
 
 
 def aclCreateIntArray(values, size: int | None = None) -> AclIntArray:
+    """The values are kept as given; operators check that they are integers (int64_t in C)."""
     values = list(values)
-    return AclIntArray(tuple(int(v) for v in (values if size is None else values[:size])))
+    return AclIntArray(tuple(values if size is None else values[:size]))
 
 
 def aclDestroyIntArray(array) -> int:

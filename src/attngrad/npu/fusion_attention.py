@@ -53,7 +53,7 @@ def _numels(query, key, head_num, input_layout, actual_seq_qlen=None, actual_seq
         layout = str(input_layout).upper()
         return int(query.shape[BATCH_DIM[layout]] * int(head_num) * query.shape[SEQ_DIM[layout]]
                    * key.shape[SEQ_DIM[layout]])
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError):
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, RuntimeError, NotImplementedError):
         return 0
 
 

@@ -39,11 +39,11 @@ from ..kernels import flash_attention as kernels
 from ..kernels.flash_attention_plan import (ALIBI_ROWS, MASK_READ_MODES, UNBOUNDED_TOKENS, AttentionPlan,
                                             band_row_counts, sparse_rule)
 from ..kernels.flash_attention_reference import flash_attention_forward_reference
-from ..validation import (MASK_DTYPES, check_dim_equal, check_dtype, check_float, check_int, check_range, check_rank,
-                          invalid, require_tensor)
+from ..validation import (MASK_DTYPES, check_dim_equal, check_dtype, check_float, check_int, check_int_list,
+                          check_range, check_rank, invalid, require_tensor)
 from .flash_attention_checks import (absent, check_cann_sizes, check_drop_mask, check_dy_and_attention_in,
                                      check_forward_outputs, check_grad_outputs, check_head_num, check_input_layout,
-                                     check_pse_type, check_tensors, int_list, require_forward_tensors,
+                                     check_pse_type, check_tensors, require_forward_tensors,
                                      require_grad_tensors, saved_stats)
 
 FORWARD = "FlashAttentionScore"
@@ -330,9 +330,9 @@ def resolve_plan(op: str, geo: Geometry, dtype: torch.dtype, *, scale_value, kee
     if sparse_mode in (7, 8):
         raise invalid(op, "sparseMode", "modes 7/8 (varlen split) need inputLayout TND", sparse_mode)
     pse_type = check_pse_type(op, pse_type)
-    prefix = int_list(op, "prefix", prefix)
-    q_start_idx = int_list(op, "qStartIdx", q_start_idx)
-    kv_start_idx = int_list(op, "kvStartIdx", kv_start_idx)
+    prefix = check_int_list(op, "prefix", prefix)
+    q_start_idx = check_int_list(op, "qStartIdx", q_start_idx)
+    kv_start_idx = check_int_list(op, "kvStartIdx", kv_start_idx)
     for name, t in (("pse", pse), ("attenMask", atten_mask)):
         if t is not None:
             require_tensor(op, name, t)

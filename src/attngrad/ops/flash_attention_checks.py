@@ -87,19 +87,6 @@ def check_pse_type(op: str, pse_type) -> int:
     return pse_type
 
 
-def int_list(op: str, name: str, values) -> list[int] | None:
-    """prefix / start indices / seq lengths: a list (or 1-D integer tensor) of ints."""
-    if values is None:
-        return None
-    if isinstance(values, torch.Tensor):
-        if values.dim() > 1 or values.dtype.is_floating_point or values.dtype == torch.bool:
-            raise invalid(op, name, "must be a 1-D integer list", f"{values.dim()}-D {values.dtype}")
-        values = values.tolist()
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise invalid(op, name, "must be a list of integers", repr(values))
-    return [check_int(op, name, v) for v in values]
-
-
 # ----------------------------------------------------------------------------------------- tensors
 def _check_same_but_last(op: str, name: str, t: torch.Tensor, ref_name: str, ref: torch.Tensor) -> None:
     for dim in range(ref.dim() - 1):

@@ -34,13 +34,13 @@ import torch
 
 from ..errors import ACLNN_ERR_PARAM_NULLPTR, AclnnError
 from ..kernels.flash_attention_plan import ALIBI_ROWS, UNBOUNDED_TOKENS, AttentionPlan
-from ..validation import (MASK_DTYPES, check_choice, check_dtype, check_float, check_int, check_range, check_rank,
-                          invalid, require_tensor)
+from ..validation import (MASK_DTYPES, check_choice, check_dtype, check_float, check_int, check_int_list,
+                          check_range, check_rank, invalid, require_tensor)
 from .flash_attention import (COMPRESSED_MASK, STATS_COPIES, Geometry, Problem, backward_kernel, forward_kernel,
                               geometry, has_float_pse, resolve_plan, stats8)
 from .flash_attention_checks import (absent, check_cann_sizes, check_drop_mask, check_dy_and_attention_in,
                                      check_forward_outputs, check_grad_outputs, check_head_num, check_input_layout,
-                                     check_pse_type, check_tensors, int_list, require_forward_tensors,
+                                     check_pse_type, check_tensors, require_forward_tensors,
                                      require_grad_tensors, saved_stats)
 
 FORWARD = "FlashAttentionVarLenScore"
@@ -116,7 +116,7 @@ def _seq_list(op: str, name: str, values) -> list[int]:
     """actualSeqQLen / actualSeqKvLen: required (161001) and non-empty for TND."""
     if values is None:
         raise AclnnError(ACLNN_ERR_PARAM_NULLPTR, f"{op}: {name} must not be null (None) for inputLayout TND", name)
-    values = int_list(op, name, values)
+    values = check_int_list(op, name, values)
     if not values:
         raise invalid(op, name, "must not be empty for inputLayout TND", values)
     return values
@@ -289,13 +289,13 @@ def _resolve_plans(op: str, geo: VarlenGeometry, dtype: torch.dtype, *, scale_va
     if not absent(atten_mask):
         mask = _check_tnd_mask(op, require_tensor(op, "attenMask", atten_mask), geo, sparse_mode)
     if not absent(pse):
-        starts = [(int_list(op, n, v) or [0])[0] for n, v in (("qStartIdx", q_start_idx), ("kvStartIdx",
+        starts = [(check_int_list(op, n, v) or [0])[0] for n, v in (("qStartIdx", q_start_idx), ("kvStartIdx",
                                                                                            kv_start_idx))]
         _check_tnd_pse(op, require_tensor(op, "pse", pse), geo, pse_type, sparse_mode, starts[0] - starts[1])
     dropout = keep_prob < 1.0
     if dropout:
         check_drop_mask(op, drop_mask, geo.score_offset(geo.batch_count), "N1 * sum Sq_b*Skv_b / 8")
-    prefix = int_list(op, "prefix", prefix)
+    prefix = check_int_list(op, "prefix", prefix)
     if prefix is not None and mask is not None and sparse_mode == 6 and len(prefix) < geo.batch_count:
         raise invalid(op, "prefix", f"must have an entry per batch ({geo.batch_count}) for sparseMode 6",
                       len(prefix))
