@@ -51,7 +51,7 @@ from numba import njit, prange, set_parallel_chunksize
 
 from .flash_attention_plan import MASKED_LOGIT, AttentionPlan
 from .gemm import HAS_BRGEMM, NO_TRANS, TRANS, brgemm_bf16, brgemm_release, gemm
-from .numeric import FASTMATH, exp32, fmaximum, narrow, prefer_512_bit_vectors, widen
+from .numeric import FASTMATH, LOG2E, exp2_32, exp32, fmaximum, narrow, narrow_ftz, prefer_512_bit_vectors, widen
 from .tensor_view import kernel_view, new_output
 
 _NEG = np.float32(MASKED_LOGIT)
@@ -229,13 +229,13 @@ def _forward_tile(s, p, acc, m, l, rows, cols, general, b, n, i0, j0, mask, pse,
         if dropout:
             _keep_factors(drop, ((b * ip[_N1] + n) * ip[_SQ] + i) * ip[_SKV] + j0, cols, fp[1], f)
             for c in range(cols):
-                e = exp32(s[r, c] * scale - new)
-                p[r, c] = narrow(e * f[c], p)
+                e = exp2_32((s[r, c] * scale - new) * LOG2E)
+                p[r, c] = narrow_ftz(e * f[c], p)
                 total += e
         else:
             for c in range(cols):
-                e = exp32(s[r, c] * scale - new)
-                p[r, c] = narrow(e, p)
+                e = exp2_32((s[r, c] * scale - new) * LOG2E)
+                p[r, c] = narrow_ftz(e, p)
                 total += e
         l[r] = l[r] * alpha + total
         m[r] = new
@@ -399,16 +399,16 @@ def _backward_tile(s, dp, pt, dst, rows, cols, general, b, n, i0, j0, mask, pse,
         if dropout:
             _keep_factors(drop, ((b * ip[_N1] + n) * ip[_SQ] + i) * ip[_SKV] + j0, cols, fp[1], f)
             for c in range(cols):
-                pr = exp32(s[r, c] * scale - mr) * inv_l
-                pt[r, c] = narrow(pr * f[c], pt)
+                pr = exp2_32((s[r, c] * scale - mr) * LOG2E) * inv_l
+                pt[r, c] = narrow_ftz(pr * f[c], pt)
                 s[r, c] = pr * (dp[r, c] * f[c] - dri)
-                dst[r, c] = narrow(s[r, c], dst)
+                dst[r, c] = narrow_ftz(s[r, c], dst)
         else:
             for c in range(cols):
-                pr = exp32(s[r, c] * scale - mr) * inv_l
-                pt[r, c] = narrow(pr, pt)
+                pr = exp2_32((s[r, c] * scale - mr) * LOG2E) * inv_l
+                pt[r, c] = narrow_ftz(pr, pt)
                 s[r, c] = pr * (dp[r, c] - dri)
-                dst[r, c] = narrow(s[r, c], dst)
+                dst[r, c] = narrow_ftz(s[r, c], dst)
         if ip[_DPSE] != 0 and mr > _NEG:
             _add_dpse_row(s, r, cols, i, j0, b, n, ip, fp, dpse)
 

@@ -128,6 +128,22 @@ def _target_has(feature: str) -> bool:
 
 
 HAS_F16C = _target_has("f16c")
+HAS_AVX512_BF16 = _target_has("avx512bf16")
+
+
+class _BFloatType(ir.types._BaseFloatType):
+    """LLVM's ``bfloat`` (llvmlite has no class for it); only used as the target of an ``fptrunc``."""
+    null = "0.0"
+    intrinsic_name = "bf16"
+
+    def __str__(self):
+        return "bfloat"
+
+    def format_constant(self, value):
+        raise NotImplementedError("bfloat constants are not used")
+
+
+_BFloatType._create_instance()
 
 
 @intrinsic
@@ -193,6 +209,19 @@ def _f32_to_bf16(typingctx, v):
     return types.uint16(v), codegen
 
 
+@intrinsic
+def _f32_to_bf16_hw(typingctx, v):
+    """float32 -> bfloat16 bits by ``fptrunc ... to bfloat``: one ``vcvtneps2bf16`` with AVX512-BF16 (round half
+    to even, nan kept, but subnormal inputs and results flush to zero)."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], _BFloatType()), ir.IntType(16))
+
+    return types.uint16(v), codegen
+
+
 @njit(inline="always")
 def _f32_to_f16(v):
     u = f32_bits(v)
@@ -238,8 +267,22 @@ def _narrow_impl(v, like):
     return None
 
 
+def narrow_ftz(v, like):  # pragma: no cover
+    """float32 -> the element type of ``like`` for kernel-internal operands (P, dS before their GEMMs): as
+    ``narrow``, except that bfloat16 uses the CPU's conversion instruction where it has one (AVX512-BF16),
+    which flushes values below 2**-126 (about 1.2e-38) to zero. Results written to the user keep ``narrow``."""
+    raise NotImplementedError
+
+
+@overload(narrow_ftz)
+def _narrow_ftz_impl(v, like):
+    if like.dtype == types.uint16 and HAS_AVX512_BF16:
+        return lambda v, like: _f32_to_bf16_hw(np.float32(v))
+    return lambda v, like: narrow(v, like)
+
+
 # Cephes expf: exp(x) = 2^n * exp(r), n = rint(x / ln2), r = x - n*ln2 split in two parts (Cody-Waite)
-_LOG2E = np.float32(1.4426950408889634)
+LOG2E = np.float32(1.4426950408889634)
 _LN2_HI = np.float32(0.693359375)
 _LN2_LO = np.float32(-2.12194440e-4)
 _P0 = np.float32(1.9875691500e-4)
@@ -261,10 +304,37 @@ def exp32(x):
     Branch-free (vmaxps, vminps, blends); nan is restored at the end.
     """
     xc = x if x > _EXP_LO else _EXP_LO  # nan -> _EXP_LO
-    n = _rint(xc * _LOG2E)
+    n = _rint(xc * LOG2E)
     n = n if n < np.float32(127.0) else np.float32(127.0)
     r = xc - n * _LN2_HI - n * _LN2_LO
     p = ((((_P0 * r + _P1) * r + _P2) * r + _P3) * r + _P4) * r + _P5
     p = p * r * r + r + np.float32(1.0)
     res = p * _pow2(n)
     return x if x != x else res
+
+
+# 2**f on [-0.5, 0.5]: 1 + f * (c1 + f * (c2 + ...)), relative-minimax fit (max relative error 1.9e-7 in fp32)
+_E1 = np.float32(0.6931470036506653)
+_E2 = np.float32(0.24022242426872253)
+_E3 = np.float32(0.05550733581185341)
+_E4 = np.float32(0.009671512991189957)
+_E5 = np.float32(0.001326472731307149)
+_MIN_POW = np.float32(-127.0)
+_MAX_POW = np.float32(127.0)
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def exp2_32(t):
+    """float32 2**t, vectorisable, relative error < 2e-7; 2**0 = 1 exactly, 2**(<= -127) = 0, 2**(+inf) = inf,
+    nan stays nan (the lower clamp is written so that a nan passes through it: one ``vmaxps``).
+
+    The softmax kernels compute ``exp(x * scale - m)`` as ``exp2_32(x * (scale * log2 e) - m * log2 e)``: the
+    fused multiply-add rounds t once, the same order of error as rounding ``x * scale - m`` itself, and the
+    Cody-Waite reduction of :func:`exp32` is not needed (t - rint(t) is exact).
+    """
+    t = _MIN_POW if t < _MIN_POW else t
+    n = _rint(t)
+    n = _MAX_POW if n > _MAX_POW else n
+    f = t - n
+    p = ((((_E5 * f + _E4) * f + _E3) * f + _E2) * f + _E1) * f + np.float32(1.0)
+    return p * _pow2(n)
