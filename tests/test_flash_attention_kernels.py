@@ -141,3 +141,68 @@ def test_mixed_precision_gemm_keeps_fp32_output(dtype):
     c = torch.zeros(70, 50)
     _gemm_for_test(kernel_view(a), kernel_view(b), c.numpy(), True)
     assert_close(c, a.double() @ b.double().T, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("jumps", [(5.0, 7.5), (3.0, 30.0), (40.0, -20.0)])
+def test_row_max_growing_across_key_blocks(dtype, jumps):
+    """Online softmax over 3 key blocks whose row max jumps up (or down) by small and large steps: the
+    accumulator rescaling against the golden, fp16's range included."""
+    gen = torch.Generator().manual_seed(3)
+    skv, d = 1300, 16
+    logits = torch.randn(2, 1, 1, skv, generator=gen)
+    logits[..., 512:1024] += jumps[0]
+    logits[..., 1024:] += jumps[1]
+    q = torch.zeros(2, 1, 37, d)
+    q[..., 0] = 1.0 + torch.rand(2, 1, 37, generator=gen) * 0.1
+    k = torch.zeros(2, 1, skv, d)
+    k[..., 0] = logits[:, :, 0]
+    v = torch.randn(2, 1, skv, 8, generator=gen)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    _check_forward(q, k, v, AttentionPlan(scale=1.0))
+
+
+def _strided(t, lead=3, tail=5, pad=3):
+    """A [1, N, S, D] tensor stored as rows [lead, lead+S) of a nan-filled TND buffer [lead+S+tail, N, D+pad],
+    seen as [1, N, S, D] again: strides (., D+pad, N*(D+pad), 1), the layout of a varlen batch. Returns
+    (view, buffer)."""
+    _, n, s, d = t.shape
+    buf = torch.full((lead + s + tail, n, d + pad), float("nan"), dtype=t.dtype)
+    view = buf[lead:lead + s, :, :d].permute(1, 0, 2).unsqueeze(0)
+    view.copy_(t)
+    return view, buf
+
+
+def _strided_stats(b, n, s):
+    """A nan-filled [S+4, N] float32 buffer whose rows [2, 2+S) seen as [1, N, S] (the varlen stats view)."""
+    buf = torch.full((s + 4, n), float("nan"))
+    return buf[2:2 + s].T.unsqueeze(0), buf
+
+
+def _untouched(buf, view):
+    """Every element of buf outside the view is still nan (the kernels wrote only through the view)."""
+    mask = torch.ones(buf.shape, dtype=torch.bool)
+    mask.as_strided(view.shape, view.stride(), view.storage_offset()).fill_(False)
+    return bool(buf.float()[mask].isnan().all())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n1,n2,d,dv", [(4, 2, 40, 24), (3, 1, 33, 17)])
+def test_strided_views_and_preallocated_outputs_match_contiguous_bits(dtype, n1, n2, d, dv):
+    """TND-batch-like views (non-contiguous sequence axis) in, preallocated strided views out: bit-identical
+    to the same problem on contiguous copies, forward and backward (GQA, odd head dims, causal, >1 tile)."""
+    q, k, v, dy = _inputs(1, n1, n2, 300, 270, d, dv, dtype, seed=4)
+    plan = AttentionPlan(scale=1 / math.sqrt(d), next_tokens=0)
+    (sq_, _), (sk, _), (sv, _), (sdy, _) = (_strided(t) for t in (q, k, v, dy))
+    assert not any(t.is_contiguous() for t in (sq_, sk, sv, sdy))
+    want = flash_attention_forward(q, k, v, plan)
+    outs = [_strided(torch.empty(1, n1, 300, dv, dtype=dtype)), _strided_stats(1, n1, 300),
+            _strided_stats(1, n1, 300)]
+    got = flash_attention_forward(sq_, sk, sv, plan, *(view for view, _ in outs))
+    for g, w, (view, buf) in zip(got, want, outs):
+        assert g is view and torch.equal(g, w) and _untouched(buf, view)
+    want = flash_attention_backward(q, k, v, dy, *want, plan)
+    grads = [_strided(torch.empty(like.shape, dtype=dtype)) for like in (q, k, v)]
+    got = flash_attention_backward(sq_, sk, sv, sdy, *got, plan, dq=grads[0][0], dk=grads[1][0], dv=grads[2][0])
+    for g, w, (view, buf) in zip(got[:3], want[:3], grads):
+        assert g is view and torch.equal(g, w) and _untouched(buf, view)

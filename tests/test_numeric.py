@@ -5,6 +5,8 @@
 * ``narrow`` equals torch's ``.to(dtype)`` (round half to even) on random, boundary and special values
   (nan: any nan; torch's bfloat16 rounding returns +nan for every nan);
 * ``exp32``: relative error against float64 exp, the flush-to-zero and overflow points, nan/inf;
+* ``exp2_32``: relative error against float64 2**t, exact 2**0, the clamps, nan/inf;
+* ``narrow_ftz`` equals ``narrow`` except that bfloat16 results below 2**-126 may flush to zero;
 * ``fmaximum`` propagates nan (the reduction the softmax kernel relies on).
 """
 
@@ -17,7 +19,8 @@ import pytest
 import torch
 from numba import njit
 
-from attngrad.kernels.numeric import _f16_to_f32, _f32_to_f16, exp32, fmaximum, narrow, widen
+from attngrad.kernels.numeric import (HAS_AVX512_BF16, _f16_to_f32, _f32_to_f16, exp2_32, exp32, fmaximum, narrow,
+                                      narrow_ftz, widen)
 from attngrad.kernels.tensor_view import kernel_view
 
 LOW_DTYPES = [torch.float16, torch.bfloat16]
@@ -59,6 +62,20 @@ def _exp_all(v):
     for i in range(v.size):
         out[i] = exp32(v[i])
     return out
+
+
+@njit
+def _exp2_all(v):
+    out = np.empty_like(v)
+    for i in range(v.size):
+        out[i] = exp2_32(v[i])
+    return out
+
+
+@njit
+def _narrow_ftz_all(v, like):
+    for i in range(v.size):
+        like[i] = narrow_ftz(v[i], like)
 
 
 @njit
@@ -152,6 +169,43 @@ def test_exp32_special_values_and_range_ends():
     assert got[11].item() == pytest.approx(math.exp(x[11].item()), rel=1e-5)  # a subnormal-sized result near the end
     assert (got[12:15] == 0.0).all()
     assert got[15] == 1.0
+
+
+def test_exp2_32_relative_error():
+    g = torch.Generator().manual_seed(4)
+    t = torch.cat([torch.empty(1 << 20).uniform_(-125.0, 127.5, generator=g), torch.randn(1 << 16, generator=g),
+                   torch.linspace(-2, 2, 40001)])
+    got = torch.from_numpy(_exp2_all(t.numpy())).double()
+    want = torch.exp2(t.double())
+    assert ((got - want) / want).abs().max().item() < 2e-7
+
+
+def test_exp2_32_special_values_and_range_ends():
+    t = torch.tensor([math.nan, -math.nan, math.inf, -math.inf, 0.0, -0.0, -1.0, 3.0, -127.0, -200.0, 128.5, 1e4,
+                      -3.4e38])
+    got = torch.from_numpy(_exp2_all(t.numpy()))
+    assert got[:2].isnan().all()
+    assert got[2] == math.inf and got[3] == 0.0
+    assert got[4] == 1.0 and got[5] == 1.0  # exactly: P of a row's max is 1
+    assert got[6] == 0.5 and got[7] == 8.0
+    assert (got[8:10] == 0.0).all() and (got[10:12] == math.inf).all() and got[12] == 0.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_narrow_ftz_is_narrow_above_the_smallest_normal(dtype):
+    g = torch.Generator().manual_seed(5)
+    v = torch.cat([torch.randn(1 << 16, generator=g) * 10, torch.tensor([math.nan, math.inf, -math.inf, 0.0, -0.0,
+                                                                       1.0 + 2**-8, 1.0 + 3 * 2**-8, 65504.0, 2**-126,
+                                                                       3e38, 1e-40, -1e-42])])
+    exact, fast = torch.empty(v.shape, dtype=dtype), torch.empty(v.shape, dtype=dtype)
+    _narrow_all(v.numpy(), kernel_view(exact))
+    _narrow_ftz_all(v.numpy(), kernel_view(fast))
+    tiny = v.abs() < 2**-126
+    assert_same_floats(fast[~tiny], exact[~tiny])
+    if dtype == torch.bfloat16 and HAS_AVX512_BF16:
+        assert (fast[tiny] == 0).all()
+    else:
+        assert_same_floats(fast[tiny], exact[tiny])
 
 
 def test_fmaximum_reduction_propagates_nan_and_finds_the_max():

@@ -14,7 +14,10 @@ about 4x less). nan/inf propagate as in the plain sum.
 
 Backward: rows are swept from ``T-1`` down to 0 keeping a length-T fp32 running column sum of
 ``grad_output * grad_self`` over the strict lower triangle; after row ``i`` is added,
-``grad[i] = sum_{j < i} colsum[j]``. Only the strict lower triangle is read, once.
+``grad[i] = sum_{j < i} colsum[j]``. Only the strict lower triangle counts: each row is swept in whole
+16-lane vectors (no scalar remainder loop), the lanes past the diagonal add -0.0, the exact neutral element,
+whatever value lies there. With enough problems one task per problem writes its gradient row directly
+(a single parallel region per call: the calls are short, about 1 ms, so per-call overhead matters).
 
 Work splitting (``splits`` > 1, chosen by the caller when there are few problems): the forward splits
 the rows of a problem into chunks, each chunk first replaying the column sums of the rows above it in
@@ -27,12 +30,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .numeric import FASTMATH, exp32, narrow, widen
+from .numeric import FASTMATH, exp32, narrow, prefer_512_bit_vectors, widen
 
 
 # The forward's compensated sums need IEEE addition order: no reassociation (it would cancel the compensation).
 _ORDERED = FASTMATH - {"reassoc"}
 _INF = np.float32(np.inf)
+_NEG_ZERO = np.float32(-0.0)  # x + -0.0 == x for every x (+0.0 included): the neutral element of a masked add
+_LANES = 16  # backward rows are padded to whole 16-lane vectors (one AVX-512 register of float32)
 
 
 @njit(inline="always", fastmath=_ORDERED)
@@ -91,35 +96,67 @@ def column_bounds(t, splits):
     return bounds
 
 
+@njit(inline="always", fastmath=FASTMATH)
+def _add_product_row(colsum, g1, g2, width):
+    """colsum[j] += g1[j] * g2[j] for j < width; returns the sum of colsum[:width] after the update.
+
+    The loop runs over ``g1.size`` (``width`` rounded up to whole vectors by the caller, so LLVM's vector
+    loop has no scalar remainder); columns from ``width`` on are read but add -0.0 (exactly nothing, even
+    when the product there is nan or inf: those elements lie on or above the diagonal and must not count).
+    """
+    total = np.float32(0.0)
+    w32 = np.int32(width)
+    for j in range(g1.size):
+        keep = np.int32(j) < w32  # 32-bit lanes: a 16-lane compare (64-bit indices halve the vector width)
+        p = widen(g1[j]) * widen(g2[j])
+        v = colsum[j] + (p if keep else _NEG_ZERO)
+        colsum[j] = v
+        total += v if keep else _NEG_ZERO
+    return total
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _sweep(go, gs, j0, j1, totals):
+    """One problem's rows ``T-1 .. 0`` over the columns ``[j0, j1)``: totals[i] = sum_{j0 <= j < min(j1, i)} of
+    the column sums of rows ``>= i`` (go, gs: ``[T, T]`` views)."""
+    colsum = np.zeros(j1 - j0, dtype=np.float32)
+    for i in range(go.shape[0] - 1, -1, -1):
+        width = min(j1, i) - j0
+        if width <= 0:
+            totals[i] = np.float32(0.0)
+            continue
+        padded = min(j1 - j0, (width + _LANES - 1) // _LANES * _LANES)
+        totals[i] = _add_product_row(colsum, go[i, j0:j0 + padded], gs[i, j0:j0 + padded], width)
+
+
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def exp_segsum_backward(grad_output, grad_self, splits, grad_input):
-    """grad_output, grad_self ``[A, B, C, T, T]`` -> grad_input ``[A, B, C, T]`` (any strides)."""
+    """grad_output, grad_self ``[A, B, C, T, T]`` -> grad_input ``[A, B, C, T]`` (any strides).
+
+    ``splits == 1``: one task per problem writes its gradient row directly (one parallel region).
+    """
     A, B, C, T, _ = grad_output.shape
     problems = A * B * C
-    bounds = column_bounds(T, splits)
-    partial = np.empty((splits, problems, T), dtype=np.float32)
-    for task in prange(problems * splits):
-        p = task // splits
-        s = task % splits
-        j0, j1 = bounds[s], bounds[s + 1]
-        a, b, c = p // (B * C), (p // C) % B, p % C
-        go = grad_output[a, b, c]
-        gs = grad_self[a, b, c]
-        colsum = np.zeros(T, dtype=np.float32)
-        part = partial[s, p]
-        for i in range(T - 1, -1, -1):
-            width = max(min(j1, i) - j0, 0)
-            cs, g1, g2 = colsum[j0:j0 + width], go[i, j0:j0 + width], gs[i, j0:j0 + width]
-            total = np.float32(0.0)
-            for j in range(width):  # a 0-based range over slices: no index wrap-around, so it vectorises
-                v = cs[j] + widen(g1[j]) * widen(g2[j])
-                cs[j] = v
-                total += v
-            part[i] = total
-    for p in prange(problems):
-        a, b, c = p // (B * C), (p // C) % B, p % C
-        for i in range(T):
-            total = partial[0, p, i]
-            for s in range(1, splits):
-                total += partial[s, p, i]
-            grad_input[a, b, c, i] = narrow(total, grad_input)
+    if splits == 1:
+        for p in prange(problems):
+            prefer_512_bit_vectors()
+            a, b, c = p // (B * C), (p // C) % B, p % C
+            totals = np.empty(T, dtype=np.float32)
+            _sweep(grad_output[a, b, c], grad_self[a, b, c], 0, T, totals)
+            for i in range(T):
+                grad_input[a, b, c, i] = narrow(totals[i], grad_input)
+    else:
+        bounds = column_bounds(T, splits)
+        partial = np.empty((splits, problems, T), dtype=np.float32)
+        for task in prange(problems * splits):
+            prefer_512_bit_vectors()
+            p, s = task // splits, task % splits
+            a, b, c = p // (B * C), (p // C) % B, p % C
+            _sweep(grad_output[a, b, c], grad_self[a, b, c], bounds[s], bounds[s + 1], partial[s, p])
+        for p in prange(problems):
+            a, b, c = p // (B * C), (p // C) % B, p % C
+            for i in range(T):
+                total = partial[0, p, i]
+                for s in range(1, splits):
+                    total += partial[s, p, i]
+                grad_input[a, b, c, i] = narrow(total, grad_input)

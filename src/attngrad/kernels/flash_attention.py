@@ -47,7 +47,9 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import njit, prange, set_parallel_chunksize
+from numba import carray, njit, prange, set_parallel_chunksize, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 from .flash_attention_plan import MASKED_LOGIT, AttentionPlan
 from .gemm import HAS_BRGEMM, NO_TRANS, TRANS, brgemm_bf16, brgemm_release, gemm
@@ -182,8 +184,44 @@ def _keep_factors(drop, e0, cols, inv_keep, f):
 
 @njit(inline="always")
 def _ptr(a, i0, i1, i2):
-    """Address of a[i0, i1, i2, 0] of a C-contiguous 4-D array."""
-    return a.ctypes.data + ((i0 * a.shape[1] + i1) * a.shape[2] + i2) * a.shape[3] * a.itemsize
+    """Address of a[i0, i1, i2, 0] of a 4-D array (any strides)."""
+    return a.ctypes.data + i0 * a.strides[0] + i1 * a.strides[1] + i2 * a.strides[2]
+
+
+@intrinsic
+def _voidptr(typingctx, address):
+    """An integer address as a ``void*`` (for ``numba.carray``)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(address), codegen
+
+
+@njit(inline="always")
+def _row(a, i0, i1, i2):
+    """a[i0, i1, i2, :] as a C-contiguous 1-D array (a's last dim is unit-stride, :func:`_view`): loops over it
+    vectorise, and compile the same (same bits), whatever a's other strides (numba's layout 'A' ones do not)."""
+    return carray(_voidptr(_ptr(a, i0, i1, i2)), a.shape[3], a.dtype)
+
+
+@njit(inline="always")
+def _row_index(row, a):
+    """(b, n, i) of the row-th ``a[b, n, i, :]`` counted in a's memory order: heads inner where they lie closer
+    than the rows (a TND batch seen as BNSD), else rows inner (so a row loop streams through memory)."""
+    N, S = a.shape[1], a.shape[2]
+    if a.strides[1] < a.strides[2]:
+        return row // (N * S), row % N, (row // N) % S
+    return row // (N * S), (row // S) % N, row % S
+
+
+@njit(inline="always")
+def _ld(a):
+    """Leading dimension (row stride in elements) of the [S, D] matrices of a 4-D array with unit last stride
+    (:func:`_view`); at least D (a single row may carry any stride)."""
+    return max(a.strides[2] // a.itemsize, a.shape[3])
 
 
 @njit(inline="always")
@@ -263,8 +301,9 @@ def _pack_rows(x, b, n, j0, cols, out):
     sixteen = np.uint32(16)
     D = x.shape[3]
     for j2 in range(cols // 2):
+        even, odd = _row(x, b, n, j0 + 2 * j2), _row(x, b, n, j0 + 2 * j2 + 1)
         for d in range(D):
-            out[j2 * D + d] = np.uint32(x[b, n, j0 + 2 * j2, d]) | (np.uint32(x[b, n, j0 + 2 * j2 + 1, d]) << sixteen)
+            out[j2 * D + d] = np.uint32(even[d]) | (np.uint32(odd[d]) << sixteen)
 
 
 @njit(**_KERNEL)
@@ -309,17 +348,17 @@ def _forward_block(q, k, v, kt, vv, packed, b, n, i0, rows, mask, pse, prefix, d
             continue
         amx = packed and block % 2 == 0
         if amx:
-            brgemm_bf16(rows, cols, D, D, block, BK, False, _ptr(q, b, n, i0), _ptr(kt, b, n2, j0 // BK),
+            brgemm_bf16(rows, cols, D, _ld(q), block, BK, False, _ptr(q, b, n, i0), _ptr(kt, b, n2, j0 // BK),
                         s.ctypes.data)
         else:
-            gemm(q, NO_TRANS, TRANS, rows, cols, D, 1.0, _ptr(q, b, n, i0), D, _ptr(k, b, n2, j0), D,
+            gemm(q, NO_TRANS, TRANS, rows, cols, D, 1.0, _ptr(q, b, n, i0), _ld(q), _ptr(k, b, n2, j0), _ld(k),
                  0.0, s.ctypes.data, BK)
         general = ip[_HAS_MASK] != 0 or kind != _INSIDE
         _forward_tile(s, p, acc, m, l, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp)
         if amx:
             brgemm_bf16(rows, Dv, cols, BK, Dv, Dv, True, p.ctypes.data, _ptr(vv, b, n2, j0 // BK), acc.ctypes.data)
         else:
-            gemm(q, NO_TRANS, NO_TRANS, rows, Dv, cols, 1.0, p.ctypes.data, BK, _ptr(v, b, n2, j0), Dv,
+            gemm(q, NO_TRANS, NO_TRANS, rows, Dv, cols, 1.0, p.ctypes.data, BK, _ptr(v, b, n2, j0), _ld(v),
                  1.0, acc.ctypes.data, Dv)
     return skipped
 
@@ -350,31 +389,32 @@ def _forward_kernel(q, k, v, kt, vv, packed, mask, pse, prefix, drop, ip, fp, in
         if packed:
             brgemm_release()
         for r in range(rows):
+            outr = _row(out, b, n, i0 + r)  # a C row: the loops vectorise for any strides of out
             dead = not m[r] > _NEG
             if dead and invalid_rows:
                 smax[b, n, i0 + r] = _NEG
                 ssum[b, n, i0 + r] = _FLT_MAX
                 for d in range(Dv):
-                    out[b, n, i0 + r, d] = narrow(np.float32(0.0), out)
+                    outr[d] = narrow(np.float32(0.0), out)
                 continue
             smax[b, n, i0 + r] = m[r]
             ssum[b, n, i0 + r] = l[r]
             inv = np.float32(1.0) / l[r]
             for d in range(Dv):
-                out[b, n, i0 + r, d] = narrow(acc[r, d] * inv, out)
+                outr[d] = narrow(acc[r, d] * inv, out)
 
 
 @njit(**_KERNEL)
 def _row_dot_kernel(dy, out, dr):
-    """dr[b, n, i] = sum_d dy[b, n, i, d] * out[b, n, i, d] in fp32."""
+    """dr[b, n, i] = sum_d dy[b, n, i, d] * out[b, n, i, d] in fp32 (over :func:`_row` views: the same
+    vectorised summation order for any strides of dy and out)."""
     B, N, S, Dv = dy.shape
     for row in prange(B * N * S):
-        b = row // (N * S)
-        n = (row // S) % N
-        i = row % S
+        b, n, i = _row_index(row, dy)
+        dyr, outr = _row(dy, b, n, i), _row(out, b, n, i)
         acc = np.float32(0.0)
         for d in range(Dv):
-            acc += widen(dy[b, n, i, d]) * widen(out[b, n, i, d])
+            acc += widen(dyr[d]) * widen(outr[d])
         dr[b, n, i] = acc
 
 
@@ -441,6 +481,7 @@ def _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip
     Skv, Dv = k.shape[2], v.shape[3]
     BQ, BK = s.shape
     cols = min(BK, Skv - j0)
+    ldq, ldk, lddy = _ld(q), _ld(k), _ld(dy)
     dk_acc[:] = 0.0
     dv_acc[:] = 0.0
     for n in range(n2 * G, n2 * G + G):
@@ -450,15 +491,16 @@ def _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip
             if kind == _OUTSIDE and not _dead_row(smax, b, n, i0, rows):
                 continue  # P = exp(-FLT_MAX - max) = 0 on the whole tile
             qp, dyp = _ptr(q, b, n, i0), _ptr(dy, b, n, i0)
-            gemm(q, NO_TRANS, TRANS, rows, cols, D, 1.0, qp, D, _ptr(k, b, n2, j0), D, 0.0, s.ctypes.data, BK)
-            gemm(q, NO_TRANS, TRANS, rows, cols, Dv, 1.0, dyp, Dv, _ptr(v, b, n2, j0), Dv, 0.0, dp.ctypes.data, BK)
+            gemm(q, NO_TRANS, TRANS, rows, cols, D, 1.0, qp, ldq, _ptr(k, b, n2, j0), ldk, 0.0, s.ctypes.data, BK)
+            gemm(q, NO_TRANS, TRANS, rows, cols, Dv, 1.0, dyp, lddy, _ptr(v, b, n2, j0), _ld(v), 0.0, dp.ctypes.data,
+                 BK)
             general = ip[_HAS_MASK] != 0 or kind != _INSIDE
             _backward_tile(s, dp, pt, dst, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp,
                            smax, ssum, dr, dpse)
-            gemm(q, TRANS, NO_TRANS, cols, Dv, rows, 1.0, pt.ctypes.data, BK, dyp, Dv, 1.0, dv_acc.ctypes.data, Dv)
-            gemm(q, TRANS, NO_TRANS, cols, D, rows, 1.0, dst.ctypes.data, BK, qp, D, 1.0, dk_acc.ctypes.data, D)
+            gemm(q, TRANS, NO_TRANS, cols, Dv, rows, 1.0, pt.ctypes.data, BK, dyp, lddy, 1.0, dv_acc.ctypes.data, Dv)
+            gemm(q, TRANS, NO_TRANS, cols, D, rows, 1.0, dst.ctypes.data, BK, qp, ldq, 1.0, dk_acc.ctypes.data, D)
             dq_ptr = dq_acc.ctypes.data + (((chunk * dq_acc.shape[1] + b) * N1 + n) * Sq + i0) * D * 4
-            gemm(q, NO_TRANS, NO_TRANS, rows, D, cols, 1.0, dst.ctypes.data, BK, _ptr(k, b, n2, j0), D, 1.0,
+            gemm(q, NO_TRANS, NO_TRANS, rows, D, cols, 1.0, dst.ctypes.data, BK, _ptr(k, b, n2, j0), ldk, 1.0,
                  dq_ptr, D)
 
 
@@ -488,10 +530,11 @@ def _backward_kernel(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, f
                 _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, b, n2, j0,
                                     chunk, dq_acc, s, dp, pt, dst, dk_acc, dv_acc, dpse)
                 for r in range(min(_BK, Skv - j0)):
+                    dkr, dvr = _row(dk, b, n2, j0 + r), _row(dv, b, n2, j0 + r)
                     for d in range(D):
-                        dk[b, n2, j0 + r, d] = narrow(dk_acc[r, d] * scale, dk)
+                        dkr[d] = narrow(dk_acc[r, d] * scale, dk)
                     for d in range(Dv):
-                        dv[b, n2, j0 + r, d] = narrow(dv_acc[r, d], dv)
+                        dvr[d] = narrow(dv_acc[r, d], dv)
 
 
 @njit(**_KERNEL)
@@ -499,14 +542,13 @@ def _finish_dq_kernel(dq_acc, scale, dq):
     """dq = scale * sum over chunks (in chunk order) of dq_acc, rounded once to dq's dtype."""
     chunks, B, N, S, D = dq_acc.shape
     for row in prange(B * N * S):
-        b = row // (N * S)
-        n = (row // S) % N
-        i = row % S
+        b, n, i = _row_index(row, dq)
+        dqr = _row(dq, b, n, i)
         for d in range(D):
             acc = dq_acc[0, b, n, i, d]
             for c in range(1, chunks):
                 acc += dq_acc[c, b, n, i, d]
-            dq[b, n, i, d] = narrow(acc * scale, dq)
+            dqr[d] = narrow(acc * scale, dq)
 
 
 def _dynamic(kernel, *args) -> None:
@@ -518,8 +560,23 @@ def _dynamic(kernel, *args) -> None:
         set_parallel_chunksize(previous)
 
 
-def _view(t: torch.Tensor) -> np.ndarray:
-    return kernel_view(t.contiguous())
+def _view(t: torch.Tensor, in_place: bool = False) -> np.ndarray:
+    """Kernel view of t: a C-contiguous copy unless t already is one, or, with ``in_place``, t itself when its
+    rows are unit-stride and do not overlap (a TND batch seen as BNSD: the GEMMs read ``[S, D]`` matrices with
+    leading dimension stride(-2)). In-place views are for the varlen layer only: every distinct mix of
+    contiguous and strided arrays is one more compiled specialisation of the kernels (about 15 s each)."""
+    unit_rows = t.stride(-1) == 1 or t.shape[-1] == 1
+    if not (in_place and unit_rows and (t.shape[-2] == 1 or t.stride(-2) >= t.shape[-1])):
+        t = t.contiguous()
+    return kernel_view(t)
+
+
+def _unit_rows(t: torch.Tensor) -> torch.Tensor:
+    """A preallocated output: any strides but a unit-stride last dim (the kernels write its rows as
+    :func:`_row`)."""
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        raise ValueError(f"an output's last dim must be unit-stride, got strides {t.stride()}")
+    return t
 
 
 def _pse_kind(plan: AttentionPlan) -> int:
@@ -570,17 +627,21 @@ def _packed_kv(q: torch.Tensor, kv: np.ndarray, vv: np.ndarray) -> tuple:
     return kt, vt, True
 
 
-def flash_attention_forward(q, k, v, plan: AttentionPlan):
+def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=None, softmax_sum=None):
     """Returns ``(out [B,N1,Sq,Dv] input dtype, softmax_max [B,N1,Sq] fp32, softmax_sum [B,N1,Sq] fp32)``.
 
-    Fully masked rows: max = -FLT_MAX and sum = Skv (uniform P over all keys), or with
-    ``plan.invalid_rows`` out = 0, max = -FLT_MAX, sum = +FLT_MAX (spec section 6).
+    out / softmax_max / softmax_sum: optional preallocated outputs of those shapes and dtypes (any strides,
+    e.g. views into TND tensors), written in place and returned; q, k, v are then read in place too (any
+    strides with unit-stride rows), else from contiguous copies (:func:`_view`). Fully masked rows:
+    max = -FLT_MAX and sum = Skv (uniform P over all keys), or with ``plan.invalid_rows`` out = 0,
+    max = -FLT_MAX, sum = +FLT_MAX (spec section 6).
     """
     B, N1, Sq, _ = q.shape
-    out = torch.empty(B, N1, Sq, v.shape[3], dtype=q.dtype)
-    smax = torch.empty(B, N1, Sq, dtype=torch.float32)
-    ssum = torch.empty(B, N1, Sq, dtype=torch.float32)
-    qv, kv, vv = _view(q), _view(k), _view(v)
+    in_place = out is not None
+    out = torch.empty(B, N1, Sq, v.shape[3], dtype=q.dtype) if out is None else _unit_rows(out)
+    smax = torch.empty(B, N1, Sq, dtype=torch.float32) if softmax_max is None else softmax_max
+    ssum = torch.empty(B, N1, Sq, dtype=torch.float32) if softmax_sum is None else softmax_sum
+    qv, kv, vv = (_view(t, in_place) for t in (q, k, v))
     _dynamic(_forward_kernel, qv, kv, vv, *_packed_kv(q, kv, vv), *_plan_args(plan, q, k.shape[2]),
              bool(plan.invalid_rows), kernel_view(out), smax.numpy(), ssum.numpy())
     return out, smax, ssum
@@ -611,29 +672,30 @@ def _dpse_split(plan: AttentionPlan, b: int) -> tuple[int, bool]:
 
 
 def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: AttentionPlan,
-                             with_dpse: bool = False):
+                             with_dpse: bool = False, dq=None, dk=None, dv=None):
     """Returns ``(dq, dk, dv, dpse)``: dq/dk/dv shaped like q, k, v in the input dtype (module docstring for
     the math); dpse shaped like ``plan.pse`` in its dtype when ``with_dpse`` (pse_type 0/1), else None.
 
-    softmax_max / softmax_sum ``[B, N1, Sq]`` fp32 and out (attentionIn) are used as given.
+    softmax_max / softmax_sum ``[B, N1, Sq]`` fp32 and out (attentionIn) are used as given (any strides).
+    dq / dk / dv: optional preallocated outputs (any strides, e.g. views into TND tensors), written in place;
+    the inputs are then read in place too, as in :func:`flash_attention_forward`.
     """
     B, N1, Sq, D = q.shape
     N2, Skv = k.shape[1], k.shape[2]
     want_dpse = with_dpse and plan.pse is not None and plan.pse_type in (0, 1)
     batch_tasks, single_chunk = _dpse_split(plan, B) if want_dpse else (B, False)
-    dyv = _view(dy)
+    in_place = dq is not None
+    qv, kv, vv, dyv = (_view(t, in_place) for t in (q, k, v, dy))
     dr = np.empty((B, N1, Sq), np.float32)
-    _row_dot_kernel(dyv, _view(out), dr)
+    _row_dot_kernel(dyv, _view(out, in_place), dr)
     chunks = 1 if single_chunk else backward_chunks(batch_tasks * N2, Skv)
     dq_acc = np.zeros((chunks, B, N1, Sq, D), np.float32)
-    dq = torch.empty(q.shape, dtype=q.dtype)
-    dk = torch.empty(k.shape, dtype=q.dtype)
-    dv = torch.empty(v.shape, dtype=q.dtype)
+    dq, dk, dv = (torch.empty(like.shape, dtype=q.dtype) if t is None else _unit_rows(t)
+                  for t, like in ((dq, q), (dk, k), (dv, v)))
     dpse_out, dpse = _dpse_target(plan, B, Sq) if want_dpse else (None, np.zeros((1, 1, 1, 1), np.float32))
-    smax = softmax_max.detach().float().contiguous().numpy()
-    ssum = softmax_sum.detach().float().contiguous().numpy()
+    smax, ssum = (_view(t.detach().float(), in_place) for t in (softmax_max, softmax_sum))
     args = _plan_args(plan, q, Skv, want_dpse)
-    _dynamic(_backward_kernel, _view(q), _view(k), _view(v), dyv, smax, ssum, dr, *args, dq_acc,
+    _dynamic(_backward_kernel, qv, kv, vv, dyv, smax, ssum, dr, *args, dq_acc,
              kernel_view(dk), kernel_view(dv), dpse, batch_tasks)
     _finish_dq_kernel(dq_acc, args[-1][0], kernel_view(dq))
     if want_dpse and dpse_out is None:

@@ -325,8 +325,8 @@ _MAX_POW = np.float32(127.0)
 
 @njit(inline="always", fastmath=FASTMATH)
 def exp2_32(t):
-    """float32 2**t, vectorisable, relative error < 2e-7; 2**0 = 1 exactly, 2**(<= -127) = 0, 2**(+inf) = inf,
-    nan stays nan (the lower clamp is written so that a nan passes through it: one ``vmaxps``).
+    """float32 2**t, vectorisable, relative error < 2e-7 for normal results below 2**127.5; 2**0 = 1 exactly,
+    2**(<= -127) = 0, 2**(+inf) = inf, nan stays nan (the lower clamp is written so that a nan passes through it: one ``vmaxps``).
 
     The softmax kernels compute ``exp(x * scale - m)`` as ``exp2_32(x * (scale * log2 e) - m * log2 e)``: the
     fused multiply-add rounds t once, the same order of error as rounding ``x * scale - m`` itself, and the

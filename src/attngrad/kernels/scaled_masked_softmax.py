@@ -8,17 +8,70 @@ rows, so every row is computed by the same instructions for any thread count (bi
 Each row is read from memory once and written once. Within a block the rows are software-pipelined: one
 loop over the row reads row ``k + 1`` (memory), computes row ``k`` (exp, or the gradient) and writes row
 ``k - 1`` (memory), so the memory streams run while the core computes instead of in separate phases.
+
+The forward is compute-bound per element in bf16/fp16 at this bandwidth, so its row loop is kept short:
+``exp(z - max)`` as ``exp2_32((z - max) * log2 e)``, the row maximum as one ``vmaxps`` per vector (a nan
+needs no propagation through it, see ``_row_max``), and the fp16 scaling as one float16 multiply.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
-from .numeric import FASTMATH, exp32, fmaximum, narrow, prefer_512_bit_vectors, widen
+from .numeric import FASTMATH, LOG2E, exp2_32, narrow, prefer_512_bit_vectors, widen
 
 MASK_VALUE = np.float32(-10000.0)  # CANN fills masked logits with -10000, not -inf
 _ROWS_PER_TASK = 64
+
+
+@intrinsic
+def _row_max(typingctx, a, b):
+    """max(a, b) of two float32 for a row maximum: one ``vmaxps`` (``llvm.maxnum`` without nan handling).
+
+    Which operand a nan yields is left open: the maximum only shifts the exponents, and a row holding a
+    nan has a nan exp term, hence a nan sum and an all-nan output, whatever the maximum is.
+    """
+    if a != types.float32 or b != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        f32 = ir.FloatType()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, f32]), "llvm.maxnum.f32")
+        return builder.call(fn, args, fastmath=("nnan",))
+
+    return types.float32(a, b), codegen
+
+
+@intrinsic
+def _f16_mul(typingctx, h, s):
+    """float16 bits (int16) times a float16-representable float32, rounded to float16, widened to float32:
+    a float16 ``fmul`` (``vmulph`` with AVX512-FP16, else LLVM computes it in float32 and rounds: the product
+    of two float16 values is exact in float32, so both round the exact product once)."""
+    if h != types.int16 or s != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        half = ir.HalfType()
+        prod = builder.fmul(builder.bitcast(args[0], half), builder.fptrunc(args[1], half))
+        return builder.fpext(prod, ir.FloatType())
+
+    return types.float32(h, s), codegen
+
+
+def _rounded_product(x, scale, like):  # pragma: no cover - compiled through the overload below
+    """x * scale rounded to the element type of ``like``, as float32 (CANN's fp16 path scales in fp16)."""
+    raise NotImplementedError
+
+
+@overload(_rounded_product, inline="always")
+def _rounded_product_impl(x, scale, like):
+    if x == types.int16:
+        return lambda x, scale, like: _f16_mul(x, scale)
+    return lambda x, scale, like: widen(narrow(widen(x) * scale, like))
 
 
 @njit(inline="always")
@@ -34,9 +87,7 @@ def _row(r, N, S1, mask):
 def _logit(x, mask, row, j, scale, round_scaled):
     """where(mask, -10000, x * scale) in fp32; the fp16 path rounds x * scale to fp16 first (CANN)."""
     b, n, s, bm, nm = row
-    z = widen(x[b, n, s, j]) * scale
-    if round_scaled:
-        z = widen(narrow(z, x))
+    z = _rounded_product(x[b, n, s, j], scale, x) if round_scaled else widen(x[b, n, s, j]) * scale
     return MASK_VALUE if mask[bm, nm, s, j] else z
 
 
@@ -47,7 +98,7 @@ def _load_row(x, mask, row, scale, round_scaled, buf):
     for j in range(buf.size):
         z = _logit(x, mask, row, j, scale, round_scaled)
         buf[j] = z
-        top = fmaximum(top, z)
+        top = _row_max(top, z)
     return top
 
 
@@ -56,7 +107,7 @@ def _exp_row(buf, top):
     """buf = exp(buf - top) in place; returns the sum."""
     total = np.float32(0.0)
     for j in range(buf.size):
-        e = exp32(buf[j] - top)
+        e = exp2_32((buf[j] - top) * LOG2E)
         buf[j] = e
         total += e
     return total
@@ -87,8 +138,8 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs):
                 y[b, n, s, j] = narrow(prv[j] * inv, y)
                 z = _logit(x, mask, row_nxt, j, scale, round_scaled)
                 nxt[j] = z
-                top_next = fmaximum(top_next, z)
-                e = exp32(cur[j] - top)
+                top_next = _row_max(top_next, z)
+                e = exp2_32((cur[j] - top) * LOG2E)
                 cur[j] = e
                 total += e
         else:  # first and last row of the block: the three stages one after the other

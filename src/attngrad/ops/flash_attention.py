@@ -412,33 +412,43 @@ def _degenerate(geo: Geometry) -> bool:
     return 0 in (geo.b, geo.n1, geo.sq, geo.skv, geo.d, geo.dv)
 
 
-def forward_kernel(p: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run the forward on a validated problem: ``(out BNSD, softmax_max [B,N1,Sq], softmax_sum [B,N1,Sq])``.
+def forward_kernel(p: Problem, into: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run the forward on a validated problem: ``(out BNSD, softmax_max [B,N1,Sq], softmax_sum [B,N1,Sq])``,
+    written into ``into = (out, softmax_max, softmax_sum)`` when given (views of those shapes, any strides
+    with a unit last stride: the varlen layer's TND rows).
 
     Empty problems (a zero size) use the dense reference, which is exact and trivially small there:
     Skv == 0 gives out = 0, max = -FLT_MAX, sum = 0.
     """
     if _degenerate(p.geo):
         out, m, s = flash_attention_forward_reference(p.q, p.k, p.v, p.plan)
-        return out.to(p.q.dtype), m.float(), s.float()
-    return kernels.flash_attention_forward(p.q, p.k, p.v, p.plan)
+        results = out.to(p.q.dtype), m.float(), s.float()
+        if into is None:
+            return results
+        for target, result in zip(into, results):
+            target.copy_(result)
+        return into
+    return kernels.flash_attention_forward(p.q, p.k, p.v, p.plan, *(into or ()))
 
 
-def backward_kernel(p: Problem, with_dpse: bool = False) -> tuple:
+def backward_kernel(p: Problem, with_dpse: bool = False, into: tuple | None = None) -> tuple:
     """Run the grad on a validated problem (recomputing out/max/sum if absent): BNSD ``(dq, dk, dv, dpse)``;
-    dpse (pse's shape, pseType 0/1) only when ``with_dpse``, else None.
+    dpse (pse's shape, pseType 0/1) only when ``with_dpse``, else None. ``into = (dq, dk, dv)``: views to
+    write the gradients into (as in :func:`forward_kernel`).
 
     Spec 11.4: when any of dq, dk, dv is empty (or Skv == 0 / Sq == 0), all gradients are zero-filled.
     """
     pse = p.plan.pse
     if _degenerate(p.geo):
         dpse = torch.zeros(pse.shape, dtype=pse.dtype) if with_dpse and pse is not None else None
-        return (torch.zeros(p.q.shape, dtype=p.q.dtype), torch.zeros(p.k.shape, dtype=p.q.dtype),
-                torch.zeros(p.v.shape, dtype=p.q.dtype), dpse)
+        grads = into or tuple(torch.empty(t.shape, dtype=p.q.dtype) for t in (p.q, p.k, p.v))
+        for g in grads:
+            g.zero_()
+        return (*grads, dpse)
     if p.out is None:
         p.out, p.softmax_max, p.softmax_sum = forward_kernel(p)
     return kernels.flash_attention_backward(p.q, p.k, p.v, p.dy, p.out, p.softmax_max, p.softmax_sum, p.plan,
-                                            with_dpse=with_dpse)
+                                            with_dpse, *(into or ()))
 
 
 def stats8(t: torch.Tensor) -> torch.Tensor:

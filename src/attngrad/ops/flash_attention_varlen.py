@@ -24,6 +24,7 @@ order: ``""`` (CANN's default) stores batch b as a contiguous ``[N1, Sq_b, 8]`` 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ import torch
 
 from ..errors import ACLNN_ERR_PARAM_NULLPTR, AclnnError
 from ..kernels.flash_attention_plan import ALIBI_ROWS, UNBOUNDED_TOKENS, AttentionPlan
+from ..kernels.tensor_view import new_output
 from ..validation import (MASK_DTYPES, check_choice, check_dtype, check_float, check_int, check_int_list,
                           check_range, check_rank, invalid, require_tensor)
 from .flash_attention import (COMPRESSED_MASK, STATS_COPIES, Geometry, Problem, backward_kernel, forward_kernel,
@@ -316,10 +318,9 @@ def _resolve_plans(op: str, geo: VarlenGeometry, dtype: torch.dtype, *, scale_va
 
 # ------------------------------------------------------------------------------------------ problem
 def _bnsd(t: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
-    """Rows [r0, r1) of a TND tensor as a contiguous [1, N, S, D] tensor. The zero-copy view
-    (``t[r0:r1].permute(1, 0, 2)``) runs through the kernels about 2x slower than this O(S*N*D) copy
-    (measured: Sq = Skv = 512, N 8, D 128, bf16, causal forward: 102 ms as a view, 47 ms contiguous)."""
-    return t[r0:r1].permute(1, 0, 2).unsqueeze(0).contiguous()
+    """Rows [r0, r1) of a TND tensor as a zero-copy [1, N, S, D] view (strides (., D', N*D', 1) for a contiguous
+    t): the kernels read and write such views in place, with results bit-identical to contiguous copies."""
+    return t[r0:r1].permute(1, 0, 2).unsqueeze(0)
 
 
 def _batch_stats(stats: torch.Tensor, layout: str, n1: int, q0: int, q1: int) -> torch.Tensor:
@@ -437,19 +438,19 @@ def check_backward(query, key, value, dy, head_num, input_layout, *, actual_seq_
 # ------------------------------------------------------------------------------------------ kernels
 def forward_packed(p: VarlenProblem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-batch forward: ``(out [T1, N1, Dv], softmax_max [T1, N1], softmax_sum [T1, N1])`` in true TND
-    order; rows beyond the totals are 0."""
+    order, each batch written in place; rows beyond the totals are 0."""
     geo = p.geo
-    out = torch.zeros(geo.t1, geo.n1, geo.dv, dtype=p.query.dtype)
-    smax = torch.zeros(geo.t1, geo.n1, dtype=torch.float32)
-    ssum = torch.zeros(geo.t1, geo.n1, dtype=torch.float32)
+    out = new_output((geo.t1, geo.n1, geo.dv), p.query.dtype)
+    smax = torch.empty(geo.t1, geo.n1, dtype=torch.float32)
+    ssum = torch.empty(geo.t1, geo.n1, dtype=torch.float32)
+    total_q = geo.cum_q[-1] if geo.batch_count else 0
+    for t in (out, smax, ssum):
+        t[total_q:].zero_()
     for b in range(geo.batch_count):
         q0, q1, _, _ = geo.rows(b)
-        if q1 == q0:
-            continue
-        o, m, s = forward_kernel(p.batch(b))
-        out[q0:q1] = o[0].permute(1, 0, 2)
-        smax[q0:q1] = m[0].T
-        ssum[q0:q1] = s[0].T
+        if q1 > q0:
+            forward_kernel(p.batch(b), into=(_bnsd(out, q0, q1),
+                                             *(_batch_stats(t, "TND", geo.n1, q0, q1) for t in (smax, ssum))))
     return out, smax, ssum
 
 
@@ -460,23 +461,27 @@ def run_forward(p: VarlenProblem) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def run_backward(p: VarlenProblem) -> tuple:
-    """Per-batch grad (recomputing out and stats per batch when absent): ``(dq, dk, dv, dpse)`` shaped like
-    query, key, value (rows beyond the totals, and keys of batches without queries, get 0) and, for a float
-    pse (pseType 0/1), dpse in the pse's TND form (batch b's gradient added at the place it was read from,
-    so a shared compressed alibi sums its batches); else dpse is None."""
+    """Per-batch grad (recomputing out and stats by :func:`forward_packed` when absent): ``(dq, dk, dv, dpse)``
+    shaped like query, key, value, each batch written in place (rows beyond the totals, queries of batches
+    without keys and keys of batches without queries get 0: spec 11.4) and, for a float pse (pseType 0/1),
+    dpse in the pse's TND form (batch b's gradient added at the place it was read from, so a shared
+    compressed alibi sums its batches); else dpse is None."""
     geo = p.geo
-    grads = tuple(torch.zeros(t.shape, dtype=p.query.dtype) for t in (p.query, p.key, p.value))
+    if p.out is None:
+        out, smax, ssum = forward_packed(p)
+        p = dataclasses.replace(p, out=out, softmax_max=smax, softmax_sum=ssum, softmax_layout="TND")
+    dq, dk, dv = (new_output(t.shape, p.query.dtype) for t in (p.query, p.key, p.value))
     dpse = None if p.pse is None else torch.zeros(p.pse.shape, dtype=p.pse.dtype)
-    for b in range(geo.batch_count):
+    total_q, total_kv = (geo.cum_q[-1], geo.cum_kv[-1]) if geo.batch_count else (0, 0)
+    for grad, total in ((dq, total_q), (dk, total_kv), (dv, total_kv)):
+        grad[total:].zero_()
+    for b in range(geo.batch_count):  # a batch without queries or keys zero-fills its rows (backward_kernel)
         q0, q1, k0, k1 = geo.rows(b)
-        if q1 == q0 or k1 == k0:
-            continue
-        *batch_grads, batch_dpse = backward_kernel(p.batch(b), with_dpse=dpse is not None)
-        for grad, g, (r0, r1) in zip(grads, batch_grads, ((q0, q1), (k0, k1), (k0, k1))):
-            grad[r0:r1] = g[0].permute(1, 0, 2)
-        if dpse is not None:
+        *_, batch_dpse = backward_kernel(p.batch(b), with_dpse=dpse is not None,
+                                         into=(_bnsd(dq, q0, q1), _bnsd(dk, k0, k1), _bnsd(dv, k0, k1)))
+        if dpse is not None and q1 > q0 and k1 > k0:
             _batch_pse(dpse, geo, b, p.plans[b].pse_type).add_(batch_dpse)
-    return (*grads, dpse)
+    return dq, dk, dv, dpse
 
 
 # -------------------------------------------------------------------------------------------- torch
