@@ -186,6 +186,14 @@ def _untouched(buf, view):
     return bool(buf.float()[mask].isnan().all())
 
 
+def _same(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Bit-identical for bf16/fp16 (AMX brgemm / MKL mixed-precision GEMMs); fp32 within a few ulps: MKL's sgemm
+    picks its kernel by leading dimension and row alignment, so its summation order (last bits) may differ."""
+    if dtype != torch.float32:
+        return torch.equal(got, want)
+    return torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n1,n2,d,dv", [(4, 2, 40, 24), (3, 1, 33, 17)])
 def test_strided_views_and_preallocated_outputs_match_contiguous_bits(dtype, n1, n2, d, dv):
@@ -200,9 +208,9 @@ def test_strided_views_and_preallocated_outputs_match_contiguous_bits(dtype, n1,
             _strided_stats(1, n1, 300)]
     got = flash_attention_forward(sq_, sk, sv, plan, *(view for view, _ in outs))
     for g, w, (view, buf) in zip(got, want, outs):
-        assert g is view and torch.equal(g, w) and _untouched(buf, view)
+        assert g is view and _same(g, w, dtype) and _untouched(buf, view)
     want = flash_attention_backward(q, k, v, dy, *want, plan)
     grads = [_strided(torch.empty(like.shape, dtype=dtype)) for like in (q, k, v)]
     got = flash_attention_backward(sq_, sk, sv, sdy, *got, plan, dq=grads[0][0], dk=grads[1][0], dv=grads[2][0])
     for g, w, (view, buf) in zip(got[:3], want[:3], grads):
-        assert g is view and torch.equal(g, w) and _untouched(buf, view)
+        assert g is view and _same(g, w, dtype) and _untouched(buf, view)
