@@ -7,7 +7,7 @@
 * ``exp32``: relative error against float64 exp, the flush-to-zero and overflow points, nan/inf;
 * ``exp2_32``: relative error against float64 2**t, exact 2**0, the clamps, nan/inf;
 * ``narrow_ftz`` equals ``narrow`` except that bfloat16 results below 2**-126 may flush to zero;
-* ``fmaximum`` propagates nan (the reduction the softmax kernel relies on).
+* ``fmaximum`` propagates nan (the reduction the softmax kernel relies on); ``fmax_any_nan`` finds the max.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import pytest
 import torch
 from numba import njit
 
-from attngrad.kernels.numeric import (HAS_AVX512_BF16, _f16_to_f32, _f32_to_f16, exp2_32, exp32, fmaximum, narrow,
-                                      narrow_ftz, widen)
+from attngrad.kernels.numeric import (HAS_AVX512_BF16, _f16_to_f32, _f32_to_f16, exp2_32, exp32, fmax_any_nan,
+                                      fmaximum, narrow, narrow_ftz, widen)
 from attngrad.kernels.tensor_view import kernel_view
 
 LOW_DTYPES = [torch.float16, torch.bfloat16]
@@ -79,10 +79,10 @@ def _narrow_ftz_all(v, like):
 
 
 @njit
-def _max_all(v):
+def _max_all(v, nan_aware=True):
     top = np.float32(-np.inf)
     for i in range(v.size):
-        top = fmaximum(top, v[i])
+        top = fmaximum(top, v[i]) if nan_aware else fmax_any_nan(top, v[i])
     return top
 
 
@@ -214,3 +214,9 @@ def test_fmaximum_reduction_propagates_nan_and_finds_the_max():
     v[500] = np.nan
     assert np.isnan(_max_all(v))
     assert _max_all(np.full(7, -np.inf, np.float32)) == -np.inf
+
+
+def test_fmax_any_nan_finds_the_max():
+    v = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
+    assert _max_all(v, False) == v.max()
+    assert _max_all(np.full(5, -np.inf, np.float32), False) == -np.inf

@@ -10,7 +10,7 @@ from numba import njit
 
 from attngrad import scaled_masked_softmax
 from attngrad.kernels.numeric import narrow, widen
-from attngrad.kernels.scaled_masked_softmax import _rounded_product, _row_max
+from attngrad.kernels.scaled_masked_softmax import _rounded_product
 from attngrad.kernels.scaled_masked_softmax_reference import scaled_masked_softmax_reference
 from attngrad.precision import assert_close
 
@@ -34,20 +34,6 @@ def test_fp16_product_is_the_rounded_fp32_product_for_every_fp16(scale):
     nan = np.isnan(slow)
     assert np.array_equal(np.isnan(fast), nan)
     assert np.array_equal(fast[~nan].view(np.int32), slow[~nan].view(np.int32))
-
-
-@njit
-def _max_row(v):
-    top = np.float32(-np.inf)
-    for j in range(v.size):
-        top = _row_max(top, v[j])
-    return top
-
-
-def test_row_max_without_nan():
-    v = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
-    assert _max_row(v) == v.max()
-    assert _max_row(np.full(5, -np.inf, dtype=np.float32)) == -np.inf
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

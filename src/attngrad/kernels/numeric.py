@@ -65,10 +65,10 @@ def bits_f32(typingctx, u):
     return types.float32(u), codegen
 
 
-def _call_f32_intrinsic(builder, name: str, args):
+def _call_f32_intrinsic(builder, name: str, args, fastmath=()):
     f32 = ir.FloatType()
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32] * len(args)), name)
-    return builder.call(fn, args)
+    return builder.call(fn, args, fastmath=fastmath)
 
 
 @intrinsic
@@ -81,6 +81,17 @@ def fmaximum(typingctx, a, b):
     if a != types.float32 or b != types.float32:
         return None
     return types.float32(a, b), lambda ctx, builder, sig, args: _call_f32_intrinsic(builder, "llvm.maximum.f32", args)
+
+
+@intrinsic
+def fmax_any_nan(typingctx, a, b):
+    """max of two float32 in one ``vmaxps`` (``llvm.maxnum`` with the no-nan flag): which operand a nan yields
+    is left open. For a softmax row max whose nans reach the output anyway: a nan logit has a nan exp term,
+    hence a nan sum and an all-nan row, whatever the maximum is."""
+    if a != types.float32 or b != types.float32:
+        return None
+    return types.float32(a, b), lambda ctx, builder, sig, args: _call_f32_intrinsic(builder, "llvm.maxnum.f32",
+                                                                                     args, ("nnan",))
 
 
 @intrinsic

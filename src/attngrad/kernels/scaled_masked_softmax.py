@@ -11,7 +11,7 @@ loop over the row reads row ``k + 1`` (memory), computes row ``k`` (exp, or the 
 
 The forward is compute-bound per element in bf16/fp16 at this bandwidth, so its row loop is kept short:
 ``exp(z - max)`` as ``exp2_32((z - max) * log2 e)``, the row maximum as one ``vmaxps`` per vector (a nan
-needs no propagation through it, see ``_row_max``), and the fp16 scaling as one float16 multiply.
+needs no propagation through it, see ``numeric.fmax_any_nan``), and the fp16 scaling as one float16 multiply.
 """
 
 from __future__ import annotations
@@ -19,31 +19,12 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from .numeric import FASTMATH, LOG2E, exp2_32, narrow, prefer_512_bit_vectors, widen
+from .numeric import FASTMATH, LOG2E, exp2_32, fmax_any_nan, narrow, prefer_512_bit_vectors, widen
 
 MASK_VALUE = np.float32(-10000.0)  # CANN fills masked logits with -10000, not -inf
 _ROWS_PER_TASK = 64
-
-
-@intrinsic
-def _row_max(typingctx, a, b):
-    """max(a, b) of two float32 for a row maximum: one ``vmaxps`` (``llvm.maxnum`` without nan handling).
-
-    Which operand a nan yields is left open: the maximum only shifts the exponents, and a row holding a
-    nan has a nan exp term, hence a nan sum and an all-nan output, whatever the maximum is.
-    """
-    if a != types.float32 or b != types.float32:
-        return None
-
-    def codegen(context, builder, sig, args):
-        f32 = ir.FloatType()
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, f32]), "llvm.maxnum.f32")
-        return builder.call(fn, args, fastmath=("nnan",))
-
-    return types.float32(a, b), codegen
 
 
 @intrinsic
@@ -98,7 +79,7 @@ def _load_row(x, mask, row, scale, round_scaled, buf):
     for j in range(buf.size):
         z = _logit(x, mask, row, j, scale, round_scaled)
         buf[j] = z
-        top = _row_max(top, z)
+        top = fmax_any_nan(top, z)
     return top
 
 
@@ -138,7 +119,7 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs):
                 y[b, n, s, j] = narrow(prv[j] * inv, y)
                 z = _logit(x, mask, row_nxt, j, scale, round_scaled)
                 nxt[j] = z
-                top_next = _row_max(top_next, z)
+                top_next = fmax_any_nan(top_next, z)
                 e = exp2_32((cur[j] - top) * LOG2E)
                 cur[j] = e
                 total += e
