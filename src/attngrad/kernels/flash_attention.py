@@ -146,15 +146,21 @@ def _modify_scores(s, r, cols, i, j0, b, n, general, mask, pse, prefix, ip, fp):
     scale and pse (:func:`_add_pse`); keys outside both the band and the prefix, or set in atten_mask, get
     -FLT_MAX. ``general`` False (tile entirely visible, no mask to read) skips the tests.
     """
-    _add_pse(s, r, cols, i, j0, b, n, pse, ip, fp[0])
     if not general:
+        _add_pse(s, r, cols, i, j0, b, n, pse, ip, fp[0])
         return
     lo = min(max(i - ip[_PRE] - j0, 0), cols)
     hi = max(min(i + ip[_NXT] - j0 + 1, cols), 0)
     pl = min(max(prefix[b] - j0, 0), cols)
-    for c in range(cols):
-        if not (((c >= lo) & (c < hi)) | (c < pl)):
-            s[r, c] = _NEG
+    if ip[_PSE_KIND] == _PSE_NONE:  # scale and band in one sweep (the diagonal tiles of causal attention)
+        scale = fp[0]
+        for c in range(cols):
+            s[r, c] = s[r, c] * scale if ((c >= lo) & (c < hi)) | (c < pl) else _NEG
+    else:
+        _add_pse(s, r, cols, i, j0, b, n, pse, ip, fp[0])
+        for c in range(cols):
+            if not (((c >= lo) & (c < hi)) | (c < pl)):
+                s[r, c] = _NEG
     if ip[_HAS_MASK] != 0:
         bm = b if mask.shape[0] > 1 else 0
         nm = n if mask.shape[1] > 1 else 0
@@ -336,8 +342,8 @@ def _forward_block(q, k, v, kt, vv, packed, b, n, i0, rows, mask, pse, prefix, d
     BK = s.shape[1]
     m[:] = -np.inf
     l[:] = 0.0
-    acc[:] = 0.0
     skipped = False
+    first = True  # the first computed tile sets acc: its old content is never read (its rescale by alpha = 0 is moot)
     for j0 in range(0, Skv, BK):
         block = min(BK, Skv - j0)  # the key block's width (the row stride of its packed K^T)
         cols = _visible_cols(i0, rows, j0, block, ip[_NXT], prefix[b]) if allow_skip else block
@@ -356,10 +362,12 @@ def _forward_block(q, k, v, kt, vv, packed, b, n, i0, rows, mask, pse, prefix, d
         general = ip[_HAS_MASK] != 0 or kind != _INSIDE
         _forward_tile(s, p, acc, m, l, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp)
         if amx:
-            brgemm_bf16(rows, Dv, cols, BK, Dv, Dv, True, p.ctypes.data, _ptr(vv, b, n2, j0 // BK), acc.ctypes.data)
+            brgemm_bf16(rows, Dv, cols, BK, Dv, Dv, not first, p.ctypes.data, _ptr(vv, b, n2, j0 // BK),
+                        acc.ctypes.data)
         else:
             gemm(q, NO_TRANS, NO_TRANS, rows, Dv, cols, 1.0, p.ctypes.data, BK, _ptr(v, b, n2, j0), _ld(v),
-                 1.0, acc.ctypes.data, Dv)
+                 0.0 if first else 1.0, acc.ctypes.data, Dv)
+        first = False
     return skipped
 
 
