@@ -7,7 +7,8 @@
 * ``exp32``: relative error against float64 exp, the flush-to-zero and overflow points, nan/inf;
 * ``exp2_32``: relative error against float64 2**t, exact 2**0, the clamps, nan/inf;
 * ``narrow_ftz`` equals ``narrow`` except that bfloat16 results below 2**-126 may flush to zero;
-* ``fmaximum`` propagates nan (the reduction the softmax kernel relies on); ``fmax_any_nan`` finds the max.
+* ``fmaximum`` propagates nan (the reduction the softmax kernel relies on); ``fmax_any_nan`` finds the max;
+* ``prefetch`` compiles to a hint that changes nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from numba import njit
 
 from attngrad.kernels.numeric import (HAS_AVX512_BF16, _f16_to_f32, _f32_to_f16, exp2_32, exp32, fmax_any_nan,
-                                      fmaximum, narrow, narrow_ftz, widen)
+                                      fmaximum, narrow, narrow_ftz, prefetch, widen)
 from attngrad.kernels.tensor_view import kernel_view
 
 LOW_DTYPES = [torch.float16, torch.bfloat16]
@@ -220,3 +221,17 @@ def test_fmax_any_nan_finds_the_max():
     v = np.random.default_rng(0).standard_normal(1000).astype(np.float32)
     assert _max_all(v, False) == v.max()
     assert _max_all(np.full(5, -np.inf, np.float32), False) == -np.inf
+
+
+@njit
+def _prefetch_sum(a):
+    total = np.float32(0.0)
+    for i in range(a.size):
+        prefetch(a.ctypes.data + 4 * min(i + 64, a.size - 1))  # a hint only: the sum must not change
+        total += a[i]
+    return total
+
+
+def test_prefetch_is_only_a_hint():
+    a = np.arange(1000, dtype=np.float32)
+    assert _prefetch_sum(a) == np.float32(a.sum())

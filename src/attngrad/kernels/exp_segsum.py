@@ -16,8 +16,11 @@ Backward: rows are swept from ``T-1`` down to 0 keeping a length-T fp32 running 
 ``grad_output * grad_self`` over the strict lower triangle; after row ``i`` is added,
 ``grad[i] = sum_{j < i} colsum[j]``. Only the strict lower triangle counts: each row is swept in whole
 16-lane vectors (no scalar remainder loop), the lanes past the diagonal add -0.0, the exact neutral element,
-whatever value lies there. With enough problems one task per problem writes its gradient row directly
-(a single parallel region per call: the calls are short, about 1 ms, so per-call overhead matters).
+whatever value lies there. Rows go in pairs (one pass over the column sums for two rows), and the rows
+8 below, then the first rows of the next problem, are prefetched: the sweep reads memory in descending rows,
+which the hardware prefetchers do not follow (about 1.3x-1.5x on data that is not in cache). With enough
+problems one task per problem writes its gradient row directly (a single parallel region per call: the calls
+are short, about 1 ms, so per-call overhead matters).
 
 Work splitting (``splits`` > 1, chosen by the caller when there are few problems): the forward splits
 the rows of a problem into chunks, each chunk first replaying the column sums of the rows above it in
@@ -30,13 +33,14 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .numeric import FASTMATH, exp32, narrow, prefer_512_bit_vectors, widen
+from .numeric import FASTMATH, exp32, narrow, prefer_512_bit_vectors, prefetch, widen
 
 
 # The forward's compensated sums need IEEE addition order: no reassociation (it would cancel the compensation).
 _ORDERED = FASTMATH - {"reassoc"}
 _INF = np.float32(np.inf)
 _NEG_ZERO = np.float32(-0.0)  # x + -0.0 == x for every x (+0.0 included): the neutral element of a masked add
+_AHEAD = 8  # rows the backward's sweep prefetches ahead
 _LANES = 16  # backward rows are padded to whole 16-lane vectors (one AVX-512 register of float32)
 
 
@@ -97,36 +101,65 @@ def column_bounds(t, splits):
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _add_product_row(colsum, g1, g2, width):
-    """colsum[j] += g1[j] * g2[j] for j < width; returns the sum of colsum[:width] after the update.
+def _add_product_rows(colsum, g1, g2, width, h1, h2, width_next):
+    """Two rows in one sweep: colsum[j] += g1[j] * g2[j] for j < width, then colsum[j] += h1[j] * h2[j] for
+    j < width_next (``width_next`` 0: one row only); returns the sums of colsum[:width] after the first update
+    and of colsum[:width_next] after the second.
 
     The loop runs over ``g1.size`` (``width`` rounded up to whole vectors by the caller, so LLVM's vector
     loop has no scalar remainder); columns from ``width`` on are read but add -0.0 (exactly nothing, even
     when the product there is nan or inf: those elements lie on or above the diagonal and must not count).
     """
-    total = np.float32(0.0)
-    w32 = np.int32(width)
+    total, total_next = np.float32(0.0), np.float32(0.0)
+    w32, w32_next = np.int32(width), np.int32(width_next)
     for j in range(g1.size):
         keep = np.int32(j) < w32  # 32-bit lanes: a 16-lane compare (64-bit indices halve the vector width)
-        p = widen(g1[j]) * widen(g2[j])
-        v = colsum[j] + (p if keep else _NEG_ZERO)
-        colsum[j] = v
+        keep_next = np.int32(j) < w32_next
+        v = colsum[j] + (widen(g1[j]) * widen(g2[j]) if keep else _NEG_ZERO)
         total += v if keep else _NEG_ZERO
-    return total
+        v = v + (widen(h1[j]) * widen(h2[j]) if keep_next else _NEG_ZERO)
+        total_next += v if keep_next else _NEG_ZERO
+        colsum[j] = v
+    return total, total_next
+
+
+@njit(inline="always")
+def _prefetch_row(go, gs, i, j0, j1):
+    """Start loading columns ``[j0, min(j1, i))`` of row i of go and gs (nothing when that is empty)."""
+    if j0 < i < go.shape[0]:
+        for byte in range(0, (min(j1, i) - j0) * go.itemsize, 64):
+            prefetch(go[i:, j0:].ctypes.data + byte)
+            prefetch(gs[i:, j0:].ctypes.data + byte)
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _sweep(go, gs, j0, j1, totals):
+def _sweep(go, gs, j0, j1, totals, go_next, gs_next):
     """One problem's rows ``T-1 .. 0`` over the columns ``[j0, j1)``: totals[i] = sum_{j0 <= j < min(j1, i)} of
-    the column sums of rows ``>= i`` (go, gs: ``[T, T]`` views)."""
+    the column sums of rows ``>= i`` (go, gs: ``[T, T]`` views). Rows go in pairs (one sweep of colsum per
+    pair); rows ``_AHEAD`` below are prefetched, and near the end the first rows of the next problem
+    (go_next, gs_next), since a sweep reads rows in descending address order, which the hardware prefetchers
+    do not follow across rows."""
+    T = go.shape[0]
     colsum = np.zeros(j1 - j0, dtype=np.float32)
-    for i in range(go.shape[0] - 1, -1, -1):
+    i = T - 1
+    while i >= 0:
         width = min(j1, i) - j0
         if width <= 0:
             totals[i] = np.float32(0.0)
+            i -= 1
             continue
+        for r in range(i - _AHEAD - 1, i - _AHEAD + 1):
+            _prefetch_row(go, gs, r, j0, j1)
+            _prefetch_row(go_next, gs_next, r + T, j0, j1)
         padded = min(j1 - j0, (width + _LANES - 1) // _LANES * _LANES)
-        totals[i] = _add_product_row(colsum, go[i, j0:j0 + padded], gs[i, j0:j0 + padded], width)
+        width_next = max(min(j1, i - 1) - j0, 0)
+        below = max(i - 1, 0)
+        totals[i], total_next = _add_product_rows(colsum, go[i, j0:j0 + padded], gs[i, j0:j0 + padded], width,
+                                                  go[below, j0:j0 + padded], gs[below, j0:j0 + padded], width_next)
+        if width_next > 0:
+            totals[i - 1] = total_next
+            i -= 1
+        i -= 1
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
@@ -142,7 +175,9 @@ def exp_segsum_backward(grad_output, grad_self, splits, grad_input):
             prefer_512_bit_vectors()
             a, b, c = p // (B * C), (p // C) % B, p % C
             totals = np.empty(T, dtype=np.float32)
-            _sweep(grad_output[a, b, c], grad_self[a, b, c], 0, T, totals)
+            q = min(p + 1, problems - 1)  # the next problem (prefetched at the end of this one)
+            _sweep(grad_output[a, b, c], grad_self[a, b, c], 0, T, totals,
+                   grad_output[q // (B * C), (q // C) % B, q % C], grad_self[q // (B * C), (q // C) % B, q % C])
             for i in range(T):
                 grad_input[a, b, c, i] = narrow(totals[i], grad_input)
     else:
@@ -152,7 +187,8 @@ def exp_segsum_backward(grad_output, grad_self, splits, grad_input):
             prefer_512_bit_vectors()
             p, s = task // splits, task % splits
             a, b, c = p // (B * C), (p // C) % B, p % C
-            _sweep(grad_output[a, b, c], grad_self[a, b, c], bounds[s], bounds[s + 1], partial[s, p])
+            _sweep(grad_output[a, b, c], grad_self[a, b, c], bounds[s], bounds[s + 1], partial[s, p],
+                   grad_output[a, b, c], grad_self[a, b, c])
         for p in prange(problems):
             a, b, c = p // (B * C), (p // C) % B, p % C
             for i in range(T):

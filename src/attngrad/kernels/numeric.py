@@ -72,6 +72,24 @@ def _call_f32_intrinsic(builder, name: str, args, fastmath=()):
 
 
 @intrinsic
+def prefetch(typingctx, address):
+    """Hint the CPU to load the cache line at ``address`` (an integer address, e.g. ``a.ctypes.data`` plus an
+    offset in bytes) for reading (``llvm.prefetch``: ``prefetcht0``); no effect on results, never faults."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        pointer = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.intp), i8p)
+        builder.call(fn, [pointer, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return types.void(address), codegen
+
+
+@intrinsic
 def fmaximum(typingctx, a, b):
     """IEEE maximum of two float32 (nan if either is nan; ``llvm.maximum``).
 
