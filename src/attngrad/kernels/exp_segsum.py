@@ -137,8 +137,9 @@ def _sweep(go, gs, j0, j1, totals, go_next, gs_next):
     """One problem's rows ``T-1 .. 0`` over the columns ``[j0, j1)``: totals[i] = sum_{j0 <= j < min(j1, i)} of
     the column sums of rows ``>= i`` (go, gs: ``[T, T]`` views). Rows go in pairs (one sweep of colsum per
     pair); rows ``_AHEAD`` below are prefetched, and near the end the first rows of the next problem
-    (go_next, gs_next), since a sweep reads rows in descending address order, which the hardware prefetchers
-    do not follow across rows."""
+    (go_next, gs_next; the split path, whose next task is another column chunk, passes go and gs again),
+    since a sweep reads rows in descending address order, which the hardware prefetchers do not follow
+    across rows."""
     T = go.shape[0]
     colsum = np.zeros(j1 - j0, dtype=np.float32)
     i = T - 1

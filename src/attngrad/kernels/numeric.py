@@ -357,9 +357,10 @@ def exp2_32(t):
     """float32 2**t, vectorisable, relative error < 2e-7 for normal results below 2**127.5; 2**0 = 1 exactly,
     2**(<= -127) = 0, 2**(+inf) = inf, nan stays nan (the lower clamp is written so that a nan passes through it: one ``vmaxps``).
 
-    The softmax kernels compute ``exp(x * scale - m)`` as ``exp2_32(x * (scale * log2 e) - m * log2 e)``: the
-    fused multiply-add rounds t once, the same order of error as rounding ``x * scale - m`` itself, and the
-    Cody-Waite reduction of :func:`exp32` is not needed (t - rint(t) is exact).
+    The softmax kernels compute ``exp(z - m)`` as ``exp2_32((z - m) * log2 e)``: ``z - m`` is exact when z is
+    near the row max m (where the large terms are), and the Cody-Waite reduction of :func:`exp32` is not
+    needed (t - rint(t) is exact). Folding log2 e into the scale instead would round ``m * log2 e``, an error
+    of up to ``ulp(m)`` in t for large logits.
     """
     t = _MIN_POW if t < _MIN_POW else t
     n = _rint(t)
