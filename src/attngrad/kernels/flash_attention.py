@@ -47,13 +47,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import carray, njit, prange, set_parallel_chunksize, types
-from numba.core import cgutils
-from numba.extending import intrinsic
+from numba import carray, njit, prange, set_parallel_chunksize
 
 from .flash_attention_plan import MASKED_LOGIT, AttentionPlan
 from .gemm import HAS_BRGEMM, NO_TRANS, TRANS, brgemm_bf16, brgemm_release, gemm
-from .numeric import FASTMATH, LOG2E, exp2_32, exp32, fmaximum, narrow, narrow_ftz, prefer_512_bit_vectors, widen
+from .numeric import (FASTMATH, LOG2E, exp2_32, exp32, fmaximum, narrow, narrow_ftz, prefer_512_bit_vectors,
+                      void_pointer, widen)
 from .tensor_view import kernel_view, new_output
 
 _NEG = np.float32(MASKED_LOGIT)
@@ -194,23 +193,11 @@ def _ptr(a, i0, i1, i2):
     return a.ctypes.data + i0 * a.strides[0] + i1 * a.strides[1] + i2 * a.strides[2]
 
 
-@intrinsic
-def _voidptr(typingctx, address):
-    """An integer address as a ``void*`` (for ``numba.carray``)."""
-    if not isinstance(address, types.Integer):
-        return None
-
-    def codegen(context, builder, signature, args):
-        return builder.inttoptr(args[0], cgutils.voidptr_t)
-
-    return types.voidptr(address), codegen
-
-
 @njit(inline="always")
 def _row(a, i0, i1, i2):
     """a[i0, i1, i2, :] as a C-contiguous 1-D array (a's last dim is unit-stride, :func:`_view`): loops over it
     vectorise, and compile the same (same bits), whatever a's other strides (numba's layout 'A' ones do not)."""
-    return carray(_voidptr(_ptr(a, i0, i1, i2)), a.shape[3], a.dtype)
+    return carray(void_pointer(_ptr(a, i0, i1, i2)), a.shape[3], a.dtype)
 
 
 @njit(inline="always")
@@ -301,15 +288,27 @@ def _pack_transposed(x, b, n, j0, cols, out):
 
 
 @njit(inline="always")
+def _interleave(even, odd, out, start, n):
+    """out[start + t] = (even[t], odd[t]) for t < n: a bf16 pair as one uint32 (a VNNI pair)."""
+    sixteen = np.uint32(16)
+    for t in range(n):
+        out[start + t] = np.uint32(even[t]) | (np.uint32(odd[t]) << sixteen)
+
+
+@njit(inline="always")
 def _pack_rows(x, b, n, j0, cols, out):
     """VNNI B operand of ``A x[b, n, j0:j0+cols]`` (cols even): ``out[j2 * D + d] = (x[.., j0+2*j2, d],
     x[.., j0+2*j2+1, d])``, i.e. ``[cols/2, D]`` with row stride D."""
-    sixteen = np.uint32(16)
     D = x.shape[3]
     for j2 in range(cols // 2):
-        even, odd = _row(x, b, n, j0 + 2 * j2), _row(x, b, n, j0 + 2 * j2 + 1)
-        for d in range(D):
-            out[j2 * D + d] = np.uint32(even[d]) | (np.uint32(odd[d]) << sixteen)
+        _interleave(_row(x, b, n, j0 + 2 * j2), _row(x, b, n, j0 + 2 * j2 + 1), out, j2 * D, D)
+
+
+@njit(inline="always")
+def _pack_tile(t, rows, cols, out):
+    """VNNI B operand of ``A t[:rows, :cols]`` (a 2-D tile, rows even): ``[rows/2, cols]`` with row stride cols."""
+    for r2 in range(rows // 2):
+        _interleave(t[2 * r2], t[2 * r2 + 1], out, r2 * cols, cols)
 
 
 @njit(**_KERNEL)
@@ -480,41 +479,91 @@ def _add_dpse_row(s, r, cols, i, j0, b, n, ip, fp, dpse):
         dpse[bp, n, row, j0 + c] = narrow(widen(dpse[bp, n, row, j0 + c]) + s[r, c] * factor, dpse)
 
 
+@njit(inline="always")
+def _pack_key_block(k, v, b, n2, j0, cols, packs):
+    """The key block's B operands of the backward's brgemm (:func:`_backward_gemms`): K^T for S, V^T for dP and
+    K for dQ."""
+    kt, vt, kr = packs[0], packs[1], packs[2]
+    _pack_transposed(k, b, n2, j0, cols, kt)
+    _pack_transposed(v, b, n2, j0, cols, vt)
+    _pack_rows(k, b, n2, j0, cols, kr)
+
+
+@njit(inline="always")
+def _score_gemms(q, k, v, dy, b, n, n2, i0, rows, j0, cols, amx, packs, s, dp):
+    """s = Q K^T and dp = dY V^T of the tile (fp32, row stride BK)."""
+    BK = s.shape[1]
+    qp, dyp = _ptr(q, b, n, i0), _ptr(dy, b, n, i0)
+    if amx:
+        brgemm_bf16(rows, cols, q.shape[3], _ld(q), cols, BK, False, qp, packs[0].ctypes.data, s.ctypes.data)
+        brgemm_bf16(rows, cols, v.shape[3], _ld(dy), cols, BK, False, dyp, packs[1].ctypes.data, dp.ctypes.data)
+    else:
+        gemm(q, NO_TRANS, TRANS, rows, cols, q.shape[3], 1.0, qp, _ld(q), _ptr(k, b, n2, j0), _ld(k), 0.0,
+             s.ctypes.data, BK)
+        gemm(q, NO_TRANS, TRANS, rows, cols, v.shape[3], 1.0, dyp, _ld(dy), _ptr(v, b, n2, j0), _ld(v), 0.0,
+             dp.ctypes.data, BK)
+
+
+@njit(inline="always")
+def _gradient_gemms(q, k, dy, qt, dyt, b, n, n2, i0, rows, j0, cols, amx, packs, pt, dst, dkt, dvt, dq_ptr):
+    """dV^T += dY^T Pd, dK^T += Q^T dS (fp32 ``[D, BK]`` accumulators) and dQ += dS K (fp32, row stride D).
+
+    On the brgemm the A operands dY^T and Q^T come from the transposed copies ``dyt`` / ``qt`` ``[B, N1, D, Sq]``
+    and Pd, dS are packed (:func:`_pack_tile`); K comes packed by :func:`_pack_key_block`."""
+    BK = pt.shape[1]
+    D, Dv = q.shape[3], dy.shape[3]
+    if amx:
+        ptv, dsv = packs[3], packs[4]
+        _pack_tile(pt, rows, cols, ptv)
+        _pack_tile(dst, rows, cols, dsv)
+        brgemm_bf16(Dv, cols, rows, _ld(dyt), cols, BK, True, _ptr(dyt, b, n, 0) + i0 * 2, ptv.ctypes.data,
+                    dvt.ctypes.data)
+        brgemm_bf16(D, cols, rows, _ld(qt), cols, BK, True, _ptr(qt, b, n, 0) + i0 * 2, dsv.ctypes.data,
+                    dkt.ctypes.data)
+        brgemm_bf16(rows, D, cols, BK, D, D, True, dst.ctypes.data, packs[2].ctypes.data, dq_ptr)
+    else:
+        qp, dyp = _ptr(q, b, n, i0), _ptr(dy, b, n, i0)
+        gemm(q, TRANS, NO_TRANS, Dv, cols, rows, 1.0, dyp, _ld(dy), pt.ctypes.data, BK, 1.0, dvt.ctypes.data, BK)
+        gemm(q, TRANS, NO_TRANS, D, cols, rows, 1.0, qp, _ld(q), dst.ctypes.data, BK, 1.0, dkt.ctypes.data, BK)
+        gemm(q, NO_TRANS, NO_TRANS, rows, D, cols, 1.0, dst.ctypes.data, BK, _ptr(k, b, n2, j0), _ld(k), 1.0,
+             dq_ptr, D)
+
+
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
-def _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, b, n2, j0, chunk,
-                        dq_acc, s, dp, pt, dst, dk_acc, dv_acc, dpse):
-    """dK/dV of keys [j0, j0+BK) over the G query heads and all query blocks; dQ into dq_acc[chunk]."""
+def _backward_key_block(q, k, v, dy, qt, dyt, packed, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, b, n2, j0,
+                        chunk, dq_acc, s, dp, pt, dst, dkt, dvt, packs, dpse):
+    """dK^T / dV^T of keys [j0, j0+BK) over the G query heads and all query blocks; dQ into dq_acc[chunk].
+
+    ``packed``: bfloat16 on torch's brgemm (:func:`_use_brgemm`) for tiles with even rows and columns (VNNI
+    pairs), MKL for the others."""
     N1, Sq, D = q.shape[1], q.shape[2], q.shape[3]
     G = N1 // k.shape[1]
-    Skv, Dv = k.shape[2], v.shape[3]
+    Skv = k.shape[2]
     BQ, BK = s.shape
     cols = min(BK, Skv - j0)
-    ldq, ldk, lddy = _ld(q), _ld(k), _ld(dy)
-    dk_acc[:] = 0.0
-    dv_acc[:] = 0.0
+    dkt[:] = 0.0
+    dvt[:] = 0.0
+    packed = packed and cols % 2 == 0
+    if packed:
+        _pack_key_block(k, v, b, n2, j0, cols, packs)
     for n in range(n2 * G, n2 * G + G):
         for i0 in range(0, Sq, BQ):
             rows = min(BQ, Sq - i0)
             kind = _tile_kind(i0, rows, j0, cols, ip[_PRE], ip[_NXT], prefix[b])
             if kind == _OUTSIDE and not _dead_row(smax, b, n, i0, rows):
                 continue  # P = exp(-FLT_MAX - max) = 0 on the whole tile
-            qp, dyp = _ptr(q, b, n, i0), _ptr(dy, b, n, i0)
-            gemm(q, NO_TRANS, TRANS, rows, cols, D, 1.0, qp, ldq, _ptr(k, b, n2, j0), ldk, 0.0, s.ctypes.data, BK)
-            gemm(q, NO_TRANS, TRANS, rows, cols, Dv, 1.0, dyp, lddy, _ptr(v, b, n2, j0), _ld(v), 0.0, dp.ctypes.data,
-                 BK)
+            amx = packed and rows % 2 == 0
+            _score_gemms(q, k, v, dy, b, n, n2, i0, rows, j0, cols, amx, packs, s, dp)
             general = ip[_HAS_MASK] != 0 or kind != _INSIDE
             _backward_tile(s, dp, pt, dst, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp,
                            smax, ssum, dr, dpse)
-            gemm(q, TRANS, NO_TRANS, cols, Dv, rows, 1.0, pt.ctypes.data, BK, dyp, lddy, 1.0, dv_acc.ctypes.data, Dv)
-            gemm(q, TRANS, NO_TRANS, cols, D, rows, 1.0, dst.ctypes.data, BK, qp, ldq, 1.0, dk_acc.ctypes.data, D)
             dq_ptr = dq_acc.ctypes.data + (((chunk * dq_acc.shape[1] + b) * N1 + n) * Sq + i0) * D * 4
-            gemm(q, NO_TRANS, NO_TRANS, rows, D, cols, 1.0, dst.ctypes.data, BK, _ptr(k, b, n2, j0), ldk, 1.0,
-                 dq_ptr, D)
+            _gradient_gemms(q, k, dy, qt, dyt, b, n, n2, i0, rows, j0, cols, amx, packs, pt, dst, dkt, dvt, dq_ptr)
 
 
 @njit(**_KERNEL)
-def _backward_kernel(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, dq_acc, dk, dv, dpse,
-                     batch_tasks):
+def _backward_kernel(q, k, v, dy, qt, dyt, packed, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, dq_acc, dk, dv,
+                     dpse, batch_tasks):
     """Tasks (bt, n2, chunk), bt < batch_tasks; a task runs the batches ``bt, bt + batch_tasks, ...`` in order
     for each of its key blocks (batch_tasks 1: a batch-broadcast dpse is summed over b in one task)."""
     B, N2, Skv, D = k.shape
@@ -530,19 +579,24 @@ def _backward_kernel(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, f
         dp = np.empty((_BQ, _BK), np.float32)
         pt = np.empty((_BQ, _BK), q.dtype)
         dst = np.empty((_BQ, _BK), q.dtype)
-        dk_acc = np.empty((_BK, D), np.float32)
-        dv_acc = np.empty((_BK, Dv), np.float32)
+        dkt = np.empty((D, _BK), np.float32)
+        dvt = np.empty((Dv, _BK), np.float32)
+        pairs, tile_pairs = (max(D, Dv) * _BK // 2, _BQ * _BK // 2) if packed else (1, 1)
+        packs = (np.empty(pairs, np.uint32), np.empty(pairs, np.uint32), np.empty(pairs, np.uint32),
+                 np.empty(tile_pairs, np.uint32), np.empty(tile_pairs, np.uint32))
         for kb in range(chunk * nkb // chunks, (chunk + 1) * nkb // chunks):
             j0 = kb * _BK
             for b in range(bt, B, batch_tasks):
-                _backward_key_block(q, k, v, dy, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, b, n2, j0,
-                                    chunk, dq_acc, s, dp, pt, dst, dk_acc, dv_acc, dpse)
+                _backward_key_block(q, k, v, dy, qt, dyt, packed, smax, ssum, dr, mask, pse, prefix, drop, ip, fp,
+                                    b, n2, j0, chunk, dq_acc, s, dp, pt, dst, dkt, dvt, packs, dpse)
                 for r in range(min(_BK, Skv - j0)):
                     dkr, dvr = _row(dk, b, n2, j0 + r), _row(dv, b, n2, j0 + r)
                     for d in range(D):
-                        dkr[d] = narrow(dk_acc[r, d] * scale, dk)
+                        dkr[d] = narrow(dkt[d, r] * scale, dk)
                     for d in range(Dv):
-                        dvr[d] = narrow(dv_acc[r, d], dv)
+                        dvr[d] = narrow(dvt[d, r], dv)
+        if packed:
+            brgemm_release()
 
 
 @njit(**_KERNEL)
@@ -655,6 +709,15 @@ def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=
     return out, smax, ssum
 
 
+def _transposed_operands(q: torch.Tensor, dy: torch.Tensor, d: int, dv: int) -> tuple[np.ndarray, np.ndarray]:
+    """Q^T and dY^T ``[B, N1, D, Sq]`` (contiguous copies): the A operands of the backward's dK and dV brgemm
+    (:func:`_use_brgemm`), else placeholders."""
+    if not _use_brgemm(q, d, dv):
+        placeholder = np.zeros((1, 1, 1, 1), np.uint16)
+        return placeholder, placeholder
+    return tuple(kernel_view(t.transpose(-1, -2).contiguous()) for t in (q, dy))
+
+
 def backward_chunks(batch_kv_heads: int, skv: int) -> int:
     """Key chunks per (b, n2) of the backward: a function of the shape only (so of no thread count)."""
     key_blocks = max(1, -(-skv // _BK))
@@ -703,7 +766,8 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     dpse_out, dpse = _dpse_target(plan, B, Sq) if want_dpse else (None, np.zeros((1, 1, 1, 1), np.float32))
     smax, ssum = (_view(t.detach().float(), in_place) for t in (softmax_max, softmax_sum))
     args = _plan_args(plan, q, Skv, want_dpse)
-    _dynamic(_backward_kernel, qv, kv, vv, dyv, smax, ssum, dr, *args, dq_acc,
+    qt, dyt = _transposed_operands(q, dy, D, v.shape[3])
+    _dynamic(_backward_kernel, qv, kv, vv, dyv, qt, dyt, qt.size > 1, smax, ssum, dr, *args, dq_acc,
              kernel_view(dk), kernel_view(dv), dpse, batch_tasks)
     _finish_dq_kernel(dq_acc, args[-1][0], kernel_view(dq))
     if want_dpse and dpse_out is None:

@@ -126,8 +126,8 @@ def _load_brgemm() -> bool:
         for name, stub in _STUBS.items():
             llvm.add_symbol(name, ctypes.cast(stub, ctypes.c_void_p).value)
         return False
-    features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
-    return "+amx-bf16" in features.split(",")
+    features = (config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()).split(",")
+    return "+amx-bf16" in features or "+avx512bf16" in features
 
 
 HAS_BRGEMM = _load_brgemm()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 from llvmlite import ir
-from numba import njit, types
+from numba import carray, njit, types
 from numba.core import cgutils, config
 from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic, overload
@@ -87,6 +87,75 @@ def prefetch(typingctx, address):
         return context.get_dummy_value()
 
     return types.void(address), codegen
+
+
+@intrinsic
+def void_pointer(typingctx, address):
+    """An integer address as a ``void*`` (for ``numba.carray``)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], cgutils.voidptr_t)
+
+    return types.voidptr(address), codegen
+
+
+STREAM_MIN_BYTES = 16 << 20  # outputs from this size on are written by non-temporal stores (copy_row)
+_STREAM_BLOCK = 64  # bytes per non-temporal store: one cache line, one AVX-512 register
+
+
+def streams(nbytes: int) -> bool:
+    """Whether an output of ``nbytes`` should bypass the caches (``copy_row(..., stream=True)``): it is then
+    too large to be read back from cache by its consumer, and a plain store first reads every destination
+    line from memory (write-allocate), which costs a third of the bandwidth of a streaming kernel."""
+    return nbytes >= STREAM_MIN_BYTES
+
+
+@intrinsic
+def _stream_block(typingctx, dst, src):
+    """Copy the 64 bytes at address src (any alignment) to the 64-byte aligned address dst by one
+    non-temporal vector store (``!nontemporal``: ``vmovntdq`` on x86, written around the caches)."""
+    if not (isinstance(dst, types.Integer) and isinstance(src, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        block = ir.VectorType(ir.IntType(32), _STREAM_BLOCK // 4).as_pointer()
+        source, target = (builder.inttoptr(context.cast(builder, a, t, types.intp), block)
+                          for a, t in zip((args[1], args[0]), (sig.args[1], sig.args[0])))
+        store = builder.store(builder.load(source, align=1), target, align=_STREAM_BLOCK)
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+
+    return types.void(dst, src), codegen
+
+
+@intrinsic
+def stream_fence(typingctx):
+    """A full memory fence: non-temporal stores are weakly ordered, so a task that streamed its output fences
+    before it ends (the threads that read the output next then see every byte)."""
+    def codegen(context, builder, sig, args):
+        builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
+@njit(inline="always")
+def copy_row(dst, src, nbytes, stream):
+    """Copy ``nbytes`` from address src to address dst (non-overlapping). With ``stream`` the 64-byte aligned
+    blocks of the destination are written by non-temporal stores (see :func:`streams`; the caller ends its
+    task with :func:`stream_fence`), the unaligned head and tail by plain ones."""
+    head = min((-dst) & (_STREAM_BLOCK - 1), nbytes) if stream else nbytes
+    end = head + (nbytes - head) // _STREAM_BLOCK * _STREAM_BLOCK
+    target = carray(void_pointer(dst), nbytes, np.uint8)
+    source = carray(void_pointer(src), nbytes, np.uint8)
+    for k in range(head):
+        target[k] = source[k]
+    for k in range(head, end, _STREAM_BLOCK):
+        _stream_block(dst + k, src + k)
+    for k in range(end, nbytes):
+        target[k] = source[k]
 
 
 @intrinsic

@@ -21,7 +21,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from .numeric import FASTMATH, LOG2E, exp2_32, fmax_any_nan, narrow, prefer_512_bit_vectors, widen
+from .numeric import (FASTMATH, LOG2E, copy_row, exp2_32, fmax_any_nan, narrow, prefer_512_bit_vectors, stream_fence,
+                      widen)
 
 MASK_VALUE = np.float32(-10000.0)  # CANN fills masked logits with -10000, not -inf
 _ROWS_PER_TASK = 64
@@ -94,16 +95,30 @@ def _exp_row(buf, top):
     return total
 
 
-@njit(inline="always", fastmath=FASTMATH)
-def _store_row(y, row, buf, inv):
+@njit(inline="always")
+def _put_row(y, row, out, stream):
+    """y's row = out (a row of y's element type): one copy, by non-temporal stores with ``stream``
+    (:func:`.numeric.copy_row`) where y's rows are contiguous."""
     b, n, s, _, _ = row
-    for j in range(buf.size):
-        y[b, n, s, j] = narrow(buf[j] * inv, y)
+    if y.strides[3] == y.itemsize:
+        address = y.ctypes.data + b * y.strides[0] + n * y.strides[1] + s * y.strides[2]
+        copy_row(address, out.ctypes.data, out.size * y.itemsize, stream)
+    else:
+        for j in range(out.size):
+            y[b, n, s, j] = out[j]
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs):
-    """Softmax of rows [first, last): three row buffers rotate (loaded, exponentiated, stored)."""
+def _store_row(y, row, buf, inv, out, stream):
+    for j in range(buf.size):
+        out[j] = narrow(buf[j] * inv, y)
+    _put_row(y, row, out, stream)
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, stream):
+    """Softmax of rows [first, last): three fp32 row buffers rotate (loaded, exponentiated, stored); a stored row
+    is rounded into ``out`` and copied to y (:func:`_put_row`)."""
     N, S1 = x.shape[1], x.shape[2]
     top_next = _load_row(x, mask, _row(first, N, S1, mask), scale, round_scaled, bufs[0])
     inv = np.float32(0.0)
@@ -113,39 +128,43 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs):
         top_next = np.float32(-np.inf)
         if r > first and r + 1 < last:
             row_prv, row_nxt = _row(r - 1, N, S1, mask), _row(r + 1, N, S1, mask)
-            b, n, s, _, _ = row_prv
             total = np.float32(0.0)
             for j in range(cur.size):
-                y[b, n, s, j] = narrow(prv[j] * inv, y)
+                out[j] = narrow(prv[j] * inv, y)
                 z = _logit(x, mask, row_nxt, j, scale, round_scaled)
                 nxt[j] = z
                 top_next = fmax_any_nan(top_next, z)
                 e = exp2_32((cur[j] - top) * LOG2E)
                 cur[j] = e
                 total += e
+            _put_row(y, row_prv, out, stream)
         else:  # first and last row of the block: the three stages one after the other
             if r > first:
-                _store_row(y, _row(r - 1, N, S1, mask), prv, inv)
+                _store_row(y, _row(r - 1, N, S1, mask), prv, inv, out, stream)
             if r + 1 < last:
                 top_next = _load_row(x, mask, _row(r + 1, N, S1, mask), scale, round_scaled, nxt)
             total = _exp_row(cur, top)
         inv = np.float32(1.0) / total
-    _store_row(y, _row(last - 1, N, S1, mask), bufs[(last - 1 - first) % 3], inv)
+    _store_row(y, _row(last - 1, N, S1, mask), bufs[(last - 1 - first) % 3], inv, out, stream)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def scaled_masked_softmax_forward(x, mask, scale, round_scaled, y):
+def scaled_masked_softmax_forward(x, mask, scale, round_scaled, stream, y):
     """y = softmax(where(mask, -10000, x * scale)) over the last axis, fp32 math.
 
     ``round_scaled``: the fp16 path of CANN scales in fp16, so ``x * scale`` is rounded to x's dtype
-    (``scale`` is then already the fp16-rounded value).
+    (``scale`` is then already the fp16-rounded value). ``stream``: y is written by non-temporal stores
+    (:func:`.numeric.streams`).
     """
     rows = x.shape[0] * x.shape[1] * x.shape[2]
     for task in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         prefer_512_bit_vectors()
         bufs = np.empty((3, x.shape[3]), dtype=np.float32)
+        out = np.empty(x.shape[3], dtype=y.dtype)
         first = task * _ROWS_PER_TASK
-        _forward_block(x, mask, scale, round_scaled, y, first, min(rows, first + _ROWS_PER_TASK), bufs)
+        _forward_block(x, mask, scale, round_scaled, y, first, min(rows, first + _ROWS_PER_TASK), bufs, out, stream)
+        if stream:
+            stream_fence()
 
 
 @njit(inline="always", fastmath=FASTMATH)
@@ -165,8 +184,9 @@ def _grad(grad_output, y, mask, row, j, acc, scale):
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _backward_block(grad_output, y, mask, scale, out, first, last):
-    """Gradient of rows [first, last): the row sum of row r + 1 is taken while row r is written."""
+def _backward_block(grad_output, y, mask, scale, out, first, last, row_out, stream):
+    """Gradient of rows [first, last): the row sum of row r + 1 is taken while row r is rounded into
+    ``row_out``, then copied to out (:func:`_put_row`)."""
     N, S1, S2 = grad_output.shape[1], grad_output.shape[2], grad_output.shape[3]
     acc_next = _row_dot(grad_output, y, _row(first, N, S1, mask))
     for r in range(first, last):
@@ -179,17 +199,22 @@ def _backward_block(grad_output, y, mask, scale, out, first, last):
             acc_next = np.float32(0.0)
             for j in range(S2):
                 acc_next += widen(grad_output[b1, n1, s1, j]) * widen(y[b1, n1, s1, j])
-                out[b, n, s, j] = narrow(_grad(grad_output, y, mask, row, j, acc, scale), out)
+                row_out[j] = narrow(_grad(grad_output, y, mask, row, j, acc, scale), out)
         else:
             for j in range(S2):
-                out[b, n, s, j] = narrow(_grad(grad_output, y, mask, row, j, acc, scale), out)
+                row_out[j] = narrow(_grad(grad_output, y, mask, row, j, acc, scale), out)
+        _put_row(out, row, row_out, stream)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def scaled_masked_softmax_backward(grad_output, y, mask, scale, out):
-    """out = where(mask, 0, (dy - sum(dy * y)) * y * scale); the row sum runs over ALL positions."""
+def scaled_masked_softmax_backward(grad_output, y, mask, scale, stream, out):
+    """out = where(mask, 0, (dy - sum(dy * y)) * y * scale); the row sum runs over ALL positions. ``stream``:
+    out is written by non-temporal stores (:func:`.numeric.streams`)."""
     rows = grad_output.shape[0] * grad_output.shape[1] * grad_output.shape[2]
     for task in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         prefer_512_bit_vectors()
+        row_out = np.empty(out.shape[3], dtype=out.dtype)
         first = task * _ROWS_PER_TASK
-        _backward_block(grad_output, y, mask, scale, out, first, min(rows, first + _ROWS_PER_TASK))
+        _backward_block(grad_output, y, mask, scale, out, first, min(rows, first + _ROWS_PER_TASK), row_out, stream)
+        if stream:
+            stream_fence()

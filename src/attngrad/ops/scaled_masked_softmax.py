@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from ..kernels import scaled_masked_softmax as kernels
+from ..kernels.numeric import streams
 from ..kernels.tensor_view import kernel_view, new_output
 from ..validation import (FLOAT_DTYPES, check_dim_broadcast, check_dim_equal, check_dtype, check_float,
                           check_output_view, check_range, check_rank, check_same_dtype, check_shape, invalid,
@@ -128,7 +129,7 @@ def forward_kernel(x: torch.Tensor, mask: torch.Tensor, scale: float, y: torch.T
     half = x.dtype == torch.float16
     kscale = np.float32(torch.tensor(scale, dtype=torch.float16 if half else torch.float32).item())
     kernels.scaled_masked_softmax_forward(kernel_view(x), kernel_view(_kernel_mask(mask)), kscale, half,
-                                          kernel_view(y))
+                                          streams(y.numel() * y.element_size()), kernel_view(y))
     return y
 
 
@@ -139,7 +140,8 @@ def backward_kernel(grad_output, y, mask, scale: float, out: torch.Tensor | None
     if out.numel() == 0:
         return out
     kernels.scaled_masked_softmax_backward(kernel_view(grad_output), kernel_view(y),
-                                           kernel_view(_kernel_mask(mask)), np.float32(scale), kernel_view(out))
+                                           kernel_view(_kernel_mask(mask)), np.float32(scale),
+                                           streams(out.numel() * out.element_size()), kernel_view(out))
     return out
 
 
