@@ -16,9 +16,10 @@ Backward: rows are swept from ``T-1`` down to 0 keeping a length-T fp32 running 
 ``grad_output * grad_self`` over the strict lower triangle; after row ``i`` is added,
 ``grad[i] = sum_{j < i} colsum[j]``. Only the strict lower triangle counts: each row is swept in whole
 16-lane vectors (no scalar remainder loop), the lanes past the diagonal add -0.0, the exact neutral element,
-whatever value lies there. Rows go in pairs (one pass over the column sums for two rows), and the rows
-8 below, then the first rows of the next problem, are prefetched: the sweep reads memory in descending rows,
-which the hardware prefetchers do not follow (about 1.3x-1.5x on data that is not in cache). With enough
+whatever value lies there. Rows go in pairs (one pass over the column sums for two rows), and while a problem is
+swept the next one is prefetched in ascending rows, two rows per pair: the sweep reads memory in descending
+rows, which the hardware prefetchers do not follow. Rows are read through their addresses (no array view per
+row: a view counts a reference, an atomic instruction, which cost more than the row). With enough
 problems one task per problem writes its gradient row directly (a single parallel region per call: the calls
 are short, about 1 ms, so per-call overhead matters).
 
@@ -31,16 +32,15 @@ equal triangle area and adds the chunks' partial sums in a fixed order.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import carray, njit, prange
 
-from .numeric import FASTMATH, exp32, narrow, prefer_512_bit_vectors, prefetch, widen
+from .numeric import FASTMATH, exp32, narrow, prefer_512_bit_vectors, prefetch, void_pointer, widen
 
 
 # The forward's compensated sums need IEEE addition order: no reassociation (it would cancel the compensation).
 _ORDERED = FASTMATH - {"reassoc"}
 _INF = np.float32(np.inf)
 _NEG_ZERO = np.float32(-0.0)  # x + -0.0 == x for every x (+0.0 included): the neutral element of a masked add
-_AHEAD = 8  # rows the backward's sweep prefetches ahead
 _LANES = 16  # backward rows are padded to whole 16-lane vectors (one AVX-512 register of float32)
 
 
@@ -124,23 +124,32 @@ def _add_product_rows(colsum, g1, g2, width, h1, h2, width_next):
 
 
 @njit(inline="always")
-def _prefetch_row(go, gs, i, j0, j1):
+def _row(a, address, i, j0, n):
+    """``a[i, j0:j0+n]`` of a 2-D view with unit-stride rows whose data starts at ``address``, as a C array made
+    from the address: a slice of ``a`` would count a reference (an atomic instruction) per row."""
+    return carray(void_pointer(address + i * a.strides[0] + j0 * a.itemsize), n, a.dtype)
+
+
+@njit(inline="always")
+def _prefetch_row(go, gs, go_address, gs_address, i, j0, j1):
     """Start loading columns ``[j0, min(j1, i))`` of row i of go and gs (nothing when that is empty)."""
     if j0 < i < go.shape[0]:
+        offset = i * go.strides[0] + j0 * go.itemsize
+        offset_gs = i * gs.strides[0] + j0 * gs.itemsize
         for byte in range(0, (min(j1, i) - j0) * go.itemsize, 64):
-            prefetch(go[i:, j0:].ctypes.data + byte)
-            prefetch(gs[i:, j0:].ctypes.data + byte)
+            prefetch(go_address + offset + byte)
+            prefetch(gs_address + offset_gs + byte)
 
 
 @njit(inline="always", fastmath=FASTMATH)
 def _sweep(go, gs, j0, j1, totals, go_next, gs_next):
     """One problem's rows ``T-1 .. 0`` over the columns ``[j0, j1)``: totals[i] = sum_{j0 <= j < min(j1, i)} of
-    the column sums of rows ``>= i`` (go, gs: ``[T, T]`` views). Rows go in pairs (one sweep of colsum per
-    pair); rows ``_AHEAD`` below are prefetched, and near the end the first rows of the next problem
-    (go_next, gs_next; the split path, whose next task is another column chunk, passes go and gs again),
-    since a sweep reads rows in descending address order, which the hardware prefetchers do not follow
-    across rows."""
+    the column sums of rows ``>= i`` (go, gs: ``[T, T]`` views with unit-stride rows). Rows go in pairs (one
+    sweep of colsum per pair); each pair prefetches the next two rows, in ascending order, of the next problem
+    (go_next, gs_next; the split path, whose next task is another column chunk, passes go and gs again)."""
     T = go.shape[0]
+    go_address, gs_address = go.ctypes.data, gs.ctypes.data
+    next_address, next_gs_address = go_next.ctypes.data, gs_next.ctypes.data
     colsum = np.zeros(j1 - j0, dtype=np.float32)
     i = T - 1
     while i >= 0:
@@ -149,14 +158,14 @@ def _sweep(go, gs, j0, j1, totals, go_next, gs_next):
             totals[i] = np.float32(0.0)
             i -= 1
             continue
-        for r in range(i - _AHEAD - 1, i - _AHEAD + 1):
-            _prefetch_row(go, gs, r, j0, j1)
-            _prefetch_row(go_next, gs_next, r + T, j0, j1)
+        for r in range(T - 1 - i, T + 1 - i):
+            _prefetch_row(go_next, gs_next, next_address, next_gs_address, r, j0, j1)
         padded = min(j1 - j0, (width + _LANES - 1) // _LANES * _LANES)
         width_next = max(min(j1, i - 1) - j0, 0)
         below = max(i - 1, 0)
-        totals[i], total_next = _add_product_rows(colsum, go[i, j0:j0 + padded], gs[i, j0:j0 + padded], width,
-                                                  go[below, j0:j0 + padded], gs[below, j0:j0 + padded], width_next)
+        totals[i], total_next = _add_product_rows(
+            colsum, _row(go, go_address, i, j0, padded), _row(gs, gs_address, i, j0, padded), width,
+            _row(go, go_address, below, j0, padded), _row(gs, gs_address, below, j0, padded), width_next)
         if width_next > 0:
             totals[i - 1] = total_next
             i -= 1
@@ -165,7 +174,7 @@ def _sweep(go, gs, j0, j1, totals, go_next, gs_next):
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def exp_segsum_backward(grad_output, grad_self, splits, grad_input):
-    """grad_output, grad_self ``[A, B, C, T, T]`` -> grad_input ``[A, B, C, T]`` (any strides).
+    """grad_output, grad_self ``[A, B, C, T, T]`` (unit-stride rows) -> grad_input ``[A, B, C, T]`` (any strides).
 
     ``splits == 1``: one task per problem writes its gradient row directly (one parallel region).
     """

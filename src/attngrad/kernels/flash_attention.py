@@ -307,8 +307,11 @@ def _pack_rows(x, b, n, j0, cols, out):
 @njit(inline="always")
 def _pack_tile(t, rows, cols, out):
     """VNNI B operand of ``A t[:rows, :cols]`` (a 2-D tile, rows even): ``[rows/2, cols]`` with row stride cols."""
-    for r2 in range(rows // 2):
-        _interleave(t[2 * r2], t[2 * r2 + 1], out, r2 * cols, cols)
+    address, pitch = t.ctypes.data, t.strides[0]
+    for r2 in range(rows // 2):  # rows made from addresses: a view t[r] would count a reference (an atomic)
+        even = carray(void_pointer(address + 2 * r2 * pitch), cols, t.dtype)
+        odd = carray(void_pointer(address + (2 * r2 + 1) * pitch), cols, t.dtype)
+        _interleave(even, odd, out, r2 * cols, cols)
 
 
 @njit(**_KERNEL)

@@ -74,78 +74,79 @@ def _logit(x, mask, row, j, scale, round_scaled):
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _load_row(x, mask, row, scale, round_scaled, buf):
-    """buf = logits of ``row``; returns their max."""
+def _load_row(x, mask, row, scale, round_scaled, bufs, k):
+    """bufs[k] = logits of ``row``; returns their max."""
     top = np.float32(-np.inf)
-    for j in range(buf.size):
+    for j in range(bufs.shape[1]):
         z = _logit(x, mask, row, j, scale, round_scaled)
-        buf[j] = z
+        bufs[k, j] = z
         top = fmax_any_nan(top, z)
     return top
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _exp_row(buf, top):
-    """buf = exp(buf - top) in place; returns the sum."""
+def _exp_row(bufs, k, top):
+    """bufs[k] = exp(bufs[k] - top) in place; returns the sum."""
     total = np.float32(0.0)
-    for j in range(buf.size):
-        e = exp2_32((buf[j] - top) * LOG2E)
-        buf[j] = e
+    for j in range(bufs.shape[1]):
+        e = exp2_32((bufs[k, j] - top) * LOG2E)
+        bufs[k, j] = e
         total += e
     return total
 
 
 @njit(inline="always")
-def _put_row(y, row, out, stream):
-    """y's row = out (a row of y's element type): one copy, by non-temporal stores with ``stream``
-    (:func:`.numeric.copy_row`) where y's rows are contiguous."""
+def _put_row(y, y_address, row, out, out_address, stream):
+    """y's row = out (a row of y's element type; ``y_address`` / ``out_address``: their data addresses, taken
+    once per task): one copy, by non-temporal stores with ``stream`` (:func:`.numeric.copy_row`) where y's rows
+    are contiguous. No array view is made per row: taking one is an atomic reference count, and an atomic
+    waits for the row's non-temporal stores to drain."""
     b, n, s, _, _ = row
     if y.strides[3] == y.itemsize:
-        address = y.ctypes.data + b * y.strides[0] + n * y.strides[1] + s * y.strides[2]
-        copy_row(address, out.ctypes.data, out.size * y.itemsize, stream)
+        address = y_address + b * y.strides[0] + n * y.strides[1] + s * y.strides[2]
+        copy_row(address, out_address, out.size * y.itemsize, stream)
     else:
         for j in range(out.size):
             y[b, n, s, j] = out[j]
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _store_row(y, row, buf, inv, out, stream):
-    for j in range(buf.size):
-        out[j] = narrow(buf[j] * inv, y)
-    _put_row(y, row, out, stream)
-
-
-@njit(inline="always", fastmath=FASTMATH)
 def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, stream):
-    """Softmax of rows [first, last): three fp32 row buffers rotate (loaded, exponentiated, stored); a stored row
-    is rounded into ``out`` and copied to y (:func:`_put_row`)."""
-    N, S1 = x.shape[1], x.shape[2]
-    top_next = _load_row(x, mask, _row(first, N, S1, mask), scale, round_scaled, bufs[0])
+    """Softmax of rows [first, last): three fp32 row buffers ``bufs[0..2]`` rotate (loaded, exponentiated,
+    stored); a stored row is rounded into ``out`` and copied to y (:func:`_put_row`)."""
+    N, S1, S2 = x.shape[1], x.shape[2], x.shape[3]
+    y_address, out_address = y.ctypes.data, out.ctypes.data
+    top_next = _load_row(x, mask, _row(first, N, S1, mask), scale, round_scaled, bufs, 0)
     inv = np.float32(0.0)
     for r in range(first, last):
-        cur, nxt, prv = bufs[(r - first) % 3], bufs[(r - first + 1) % 3], bufs[(r - first + 2) % 3]
+        cur, nxt, prv = (r - first) % 3, (r - first + 1) % 3, (r - first + 2) % 3
         top = top_next
         top_next = np.float32(-np.inf)
         if r > first and r + 1 < last:
-            row_prv, row_nxt = _row(r - 1, N, S1, mask), _row(r + 1, N, S1, mask)
+            row_nxt = _row(r + 1, N, S1, mask)
             total = np.float32(0.0)
-            for j in range(cur.size):
-                out[j] = narrow(prv[j] * inv, y)
+            for j in range(S2):
+                out[j] = narrow(bufs[prv, j] * inv, y)
                 z = _logit(x, mask, row_nxt, j, scale, round_scaled)
-                nxt[j] = z
+                bufs[nxt, j] = z
                 top_next = fmax_any_nan(top_next, z)
-                e = exp2_32((cur[j] - top) * LOG2E)
-                cur[j] = e
+                e = exp2_32((bufs[cur, j] - top) * LOG2E)
+                bufs[cur, j] = e
                 total += e
-            _put_row(y, row_prv, out, stream)
         else:  # first and last row of the block: the three stages one after the other
             if r > first:
-                _store_row(y, _row(r - 1, N, S1, mask), prv, inv, out, stream)
+                for j in range(S2):
+                    out[j] = narrow(bufs[prv, j] * inv, y)
             if r + 1 < last:
-                top_next = _load_row(x, mask, _row(r + 1, N, S1, mask), scale, round_scaled, nxt)
-            total = _exp_row(cur, top)
+                top_next = _load_row(x, mask, _row(r + 1, N, S1, mask), scale, round_scaled, bufs, nxt)
+            total = _exp_row(bufs, cur, top)
+        if r > first:
+            _put_row(y, y_address, _row(r - 1, N, S1, mask), out, out_address, stream)
         inv = np.float32(1.0) / total
-    _store_row(y, _row(last - 1, N, S1, mask), bufs[(last - 1 - first) % 3], inv, out, stream)
+    last_row = (last - 1 - first) % 3
+    for j in range(S2):
+        out[j] = narrow(bufs[last_row, j] * inv, y)
+    _put_row(y, y_address, _row(last - 1, N, S1, mask), out, out_address, stream)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
@@ -188,6 +189,7 @@ def _backward_block(grad_output, y, mask, scale, out, first, last, row_out, stre
     """Gradient of rows [first, last): the row sum of row r + 1 is taken while row r is rounded into
     ``row_out``, then copied to out (:func:`_put_row`)."""
     N, S1, S2 = grad_output.shape[1], grad_output.shape[2], grad_output.shape[3]
+    out_address, row_out_address = out.ctypes.data, row_out.ctypes.data
     acc_next = _row_dot(grad_output, y, _row(first, N, S1, mask))
     for r in range(first, last):
         acc = acc_next
@@ -203,7 +205,7 @@ def _backward_block(grad_output, y, mask, scale, out, first, last, row_out, stre
         else:
             for j in range(S2):
                 row_out[j] = narrow(_grad(grad_output, y, mask, row, j, acc, scale), out)
-        _put_row(out, row, row_out, stream)
+        _put_row(out, out_address, row, row_out, row_out_address, stream)
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
