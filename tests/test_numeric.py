@@ -8,7 +8,8 @@
 * ``exp2_32``: relative error against float64 2**t, exact 2**0, the clamps, nan/inf;
 * ``narrow_ftz`` equals ``narrow`` except that bfloat16 results below 2**-126 may flush to zero;
 * ``fmaximum`` propagates nan (the reduction the softmax kernel relies on); ``fmax_any_nan`` finds the max;
-* ``prefetch`` compiles to a hint that changes nothing.
+* ``prefetch`` compiles to a hint that changes nothing;
+* ``copy_row`` copies exactly the requested bytes, streamed or not, at every alignment of both ends.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ import pytest
 import torch
 from numba import njit
 
-from attngrad.kernels.numeric import (HAS_AVX512_BF16, _f16_to_f32, _f32_to_f16, exp2_32, exp32, fmax_any_nan,
-                                      fmaximum, narrow, narrow_ftz, prefetch, widen)
+from attngrad.kernels.numeric import (HAS_AVX512_BF16, STREAM_MIN_BYTES, _f16_to_f32, _f32_to_f16, copy_row,
+                                      exp2_32, exp32, fmax_any_nan, fmaximum, narrow, narrow_ftz, prefetch,
+                                      stream_fence, streams, widen)
 from attngrad.kernels.tensor_view import kernel_view
 
 LOW_DTYPES = [torch.float16, torch.bfloat16]
@@ -235,3 +237,26 @@ def _prefetch_sum(a):
 def test_prefetch_is_only_a_hint():
     a = np.arange(1000, dtype=np.float32)
     assert _prefetch_sum(a) == np.float32(a.sum())
+
+
+@njit
+def _copy_at(dst, src, offset, nbytes, stream):
+    copy_row(dst.ctypes.data + offset, src.ctypes.data + 3, nbytes, stream)
+    stream_fence()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_copy_row_writes_exactly_the_requested_bytes(stream):
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 256, 600, dtype=np.uint8)
+    for offset in range(0, 130, 7):  # every alignment of the destination's head and tail
+        for nbytes in (0, 1, 63, 64, 65, 127, 128, 129, 200, 513):
+            dst = np.zeros(1024, dtype=np.uint8)
+            _copy_at(dst, src, offset, nbytes, stream)
+            expected = np.zeros(1024, dtype=np.uint8)
+            expected[offset:offset + nbytes] = src[3:3 + nbytes]
+            assert np.array_equal(dst, expected), (offset, nbytes)
+
+
+def test_streams_only_outputs_larger_than_the_threshold():
+    assert streams(STREAM_MIN_BYTES) and not streams(STREAM_MIN_BYTES - 1)

@@ -10,7 +10,9 @@ from numba import njit
 
 from attngrad import scaled_masked_softmax
 from attngrad.kernels.numeric import narrow, widen
-from attngrad.kernels.scaled_masked_softmax import _rounded_product
+from attngrad.kernels.scaled_masked_softmax import (_rounded_product, scaled_masked_softmax_backward,
+                                                   scaled_masked_softmax_forward)
+from attngrad.kernels.tensor_view import kernel_view
 from attngrad.kernels.scaled_masked_softmax_reference import scaled_masked_softmax_reference
 from attngrad.precision import assert_close
 
@@ -45,3 +47,34 @@ def test_long_and_odd_rows_against_golden(dtype, s1, s2):
     y = scaled_masked_softmax(x, mask, 0.7)
     assert_close(y, scaled_masked_softmax_reference(x, mask, 0.7), dtype, use_mere=True)
     assert (y.masked_select(mask.expand_as(y)) == 0).all()
+
+
+def _outputs(shape, dtype, layout):
+    """Output tensors of ``shape``: contiguous, rows at an odd pitch (unaligned row starts), or a strided last dim."""
+    if layout == "contiguous":
+        return torch.empty(shape, dtype=dtype)
+    if layout == "odd_pitch":
+        return torch.empty(*shape[:-1], shape[-1] + 3, dtype=dtype)[..., 1:1 + shape[-1]]
+    return torch.empty(*shape[:-1], 2 * shape[-1], dtype=dtype)[..., ::2]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["contiguous", "odd_pitch", "strided"])
+def test_streamed_outputs_equal_cached_ones(dtype, layout):
+    # the non-temporal (streamed) writes of large outputs give the same bits as plain stores, whatever the
+    # alignment of the output rows (67 rows: more than one 64-row task; width 301: an unaligned tail)
+    g = torch.Generator().manual_seed(1)
+    shape = (2, 2, 67, 301)
+    x = torch.randn(shape, generator=g).to(dtype)
+    dy = torch.randn(shape, generator=g).to(dtype)
+    mask = kernel_view(torch.rand(2, 1, 67, 301, generator=g) < 0.3)
+    scale = np.float32(0.5)
+    results = []
+    for stream in (False, True):
+        y, dx = _outputs(shape, dtype, layout), _outputs(shape, dtype, layout)
+        scaled_masked_softmax_forward(kernel_view(x), mask, scale, dtype == torch.float16, stream, kernel_view(y))
+        scaled_masked_softmax_backward(kernel_view(dy), kernel_view(y), mask, scale, stream, kernel_view(dx))
+        results.append((y, dx))
+    (y0, dx0), (y1, dx1) = results
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
+    assert_close(y1, scaled_masked_softmax_reference(x, torch.from_numpy(mask).bool(), 0.5), dtype, use_mere=True)

@@ -23,17 +23,20 @@ Tiles and work split (both cores busy even for one head, results identical for a
 
 * forward: one task per (b, n1, query block); each task owns its rows, no reduction. A tile is cut to its
   leading columns that hold visible keys (:func:`_visible_cols`, e.g. the causal diagonal). bfloat16 runs
-  its two GEMMs on torch's AMX brgemm (:func:`.gemm.brgemm_bf16`) with K and V packed once per call
+  its two GEMMs on torch's brgemm (:func:`.gemm.brgemm_bf16`, AMX or AVX512-BF16) with K and V packed once per call
   (:func:`_pack_kv_kernel`); plain tiles fuse the scale into the exp sweep (max, exp, rounding of P and the
   row sum in two sweeps of the row).
 * backward: one task per (b, n2, key chunk); a chunk is a fixed (shape-derived, thread-count
   independent) range of key blocks. A task owns dK/dV of its key blocks (fp32 tile accumulators over
-  the G heads and all query blocks, in a fixed order) and adds its dQ contribution into its own fp32
-  slice ``dq_acc[chunk]``; the slices are summed in chunk order at the end.
+  the G heads and all query blocks, in a fixed order; stored transposed, ``[D, BK]``) and adds its dQ
+  contribution into its own fp32 slice ``dq_acc[chunk]``; the slices are summed in chunk order at the end.
+  bfloat16 runs the five GEMMs on the brgemm too (:func:`_score_gemms`, :func:`_gradient_gemms`): the key
+  block's K^T, V^T and K are packed once per block, Pd and dS once per tile, and dK^T / dV^T take Q^T / dY^T
+  from transposed copies made once per call; tiles with an odd row or column count go to MKL.
 
-Extra memory: per task a few [BQ, BK] tiles plus the fp32 dQ slices (``chunks * B*N1*Sq*D``) and the packed
-bf16 K, V of the forward: O(S*D), never an [Sq, Skv] tensor beyond the pse's own (dpse: one fp32 accumulator
-shaped like the pse, never the expanded [B, N1, Sq, Skv]).
+Extra memory: per task a few [BQ, BK] tiles plus the fp32 dQ slices (``chunks * B*N1*Sq*D``), the packed
+bf16 K, V of the forward and the Q^T, dY^T copies of the backward: O(S*D), never an [Sq, Skv] tensor beyond
+the pse's own (dpse: one fp32 accumulator shaped like the pse, never the expanded [B, N1, Sq, Skv]).
 
 Tile classification (``_tile_kind``): a tile entirely outside the visible region (band and prefix) is
 skipped; a tile entirely inside it and without an atten_mask to read takes the fast path without
