@@ -22,17 +22,18 @@ float32. Query head n reads kv head ``n // G`` with ``G = N1 // N2``. The math i
 Tiles and work split (both cores busy even for one head, results identical for any thread count):
 
 * forward: one task per (b, n1, query block); each task owns its rows, no reduction. A tile is cut to its
-  leading columns that hold visible keys (:func:`_visible_cols`, e.g. the causal diagonal). bfloat16 runs
-  its two GEMMs on torch's brgemm (:func:`.gemm.brgemm_bf16`, AMX or AVX512-BF16) with K and V packed once per call
+  leading columns that hold visible keys (:func:`_visible_cols`, e.g. the causal diagonal). bfloat16 and
+  float32 run its two GEMMs on torch's brgemm (:func:`.gemm.brgemm`) with K (and bfloat16 V) packed once per call
   (:func:`_pack_kv_kernel`); plain tiles fuse the scale into the exp sweep (max, exp, rounding of P and the
   row sum in two sweeps of the row).
 * backward: one task per (b, n2, key chunk); a chunk is a fixed (shape-derived, thread-count
   independent) range of key blocks. A task owns dK/dV of its key blocks (fp32 tile accumulators over
   the G heads and all query blocks, in a fixed order; stored transposed, ``[D, BK]``) and adds its dQ
   contribution into its own fp32 slice ``dq_acc[chunk]``; the slices are summed in chunk order at the end.
-  bfloat16 runs the five GEMMs on the brgemm too (:func:`_score_gemms`, :func:`_gradient_gemms`): the key
-  block's K^T, V^T and K are packed once per block, Pd and dS once per tile, and dK^T / dV^T take Q^T / dY^T
-  from transposed copies made once per call; tiles with an odd row or column count go to MKL.
+  bfloat16 and float32 run the five GEMMs on the brgemm too (:func:`_score_gemms`, :func:`_gradient_gemms`): the
+  key block's K^T, V^T (and bfloat16 K) are packed once per block, bfloat16 Pd and dS once per tile, and dK^T /
+  dV^T take Q^T / dY^T from transposed copies made once per call; bfloat16 tiles with an odd row or column count
+  go to MKL (float16 runs on MKL throughout).
 
 Extra memory: per task a few [BQ, BK] tiles plus the fp32 dQ slices (``chunks * B*N1*Sq*D``), the packed
 bf16 K, V of the forward and the Q^T, dY^T copies of the backward: O(S*D), never an [Sq, Skv] tensor beyond
@@ -53,7 +54,7 @@ import torch
 from numba import carray, njit, prange, set_parallel_chunksize
 
 from .flash_attention_plan import MASKED_LOGIT, AttentionPlan
-from .gemm import HAS_BRGEMM, NO_TRANS, TRANS, brgemm_bf16, brgemm_release, gemm
+from .gemm import BRGEMM_DTYPES, NO_TRANS, TRANS, brgemm, brgemm_release, gemm
 from .numeric import (FASTMATH, LOG2E, exp2_32, exp32, fmaximum, narrow, narrow_ftz, prefer_512_bit_vectors,
                       void_pointer, widen)
 from .tensor_view import kernel_view, new_output
@@ -279,9 +280,22 @@ def _forward_tile(s, p, acc, m, l, rows, cols, general, b, n, i0, j0, mask, pse,
 
 
 @njit(inline="always")
+def _pairs(x):
+    """True when x's brgemm B operands are VNNI pairs (bfloat16, 2-byte elements); float32 ones are plain."""
+    return x.itemsize == 2
+
+
+@njit(inline="always")
 def _pack_transposed(x, b, n, j0, cols, out):
-    """VNNI B operand of ``A x[b, n, j0:j0+cols]^T`` (:func:`brgemm_bf16`, a bf16 pair as one uint32):
-    ``out[d2 * cols + j] = (x[.., j0+j, 2*d2], x[.., j0+j, 2*d2+1])``, i.e. ``[D/2, cols]`` with row stride cols."""
+    """B operand of ``A x[b, n, j0:j0+cols]^T`` (:func:`.gemm.brgemm`), ``[D, cols]`` with row stride cols: float32
+    plain (``out[d * cols + j] = x[.., j0+j, d]``), bfloat16 in VNNI pairs (one uint32 each):
+    ``out[d2 * cols + j] = (x[.., j0+j, 2*d2], x[.., j0+j, 2*d2+1])``."""
+    if not _pairs(x):
+        for jb in range(0, cols, 16):
+            for d in range(x.shape[3]):
+                for j in range(jb, min(jb + 16, cols)):
+                    out[d * cols + j] = x[b, n, j0 + j, d]
+        return
     sixteen = np.uint32(16)
     for jb in range(0, cols, 16):  # 16 rows of x at a time: each read once, out written in runs of 16
         for d2 in range(x.shape[3] // 2):
@@ -308,6 +322,25 @@ def _pack_rows(x, b, n, j0, cols, out):
 
 
 @njit(inline="always")
+def _rows_operand(x, b, n, j0, packed):
+    """(address, ldb) of the B operand ``x[b, n, j0:j0+cols]`` (``[cols, D]``): float32 read in place, bfloat16
+    from its VNNI packing at address ``packed`` (:func:`_pack_rows`, row stride D)."""
+    if not _pairs(x):
+        return _ptr(x, b, n, j0), _ld(x)
+    return packed, x.shape[3]
+
+
+@njit(inline="always")
+def _tile_operand(t, rows, cols, out):
+    """(address, ldb) of the B operand ``t[:rows, :cols]`` of a 2-D tile: float32 in place, bfloat16 packed into
+    out (:func:`_pack_tile`)."""
+    if not _pairs(t):
+        return t.ctypes.data, t.shape[1]
+    _pack_tile(t, rows, cols, out)
+    return out.ctypes.data, cols
+
+
+@njit(inline="always")
 def _pack_tile(t, rows, cols, out):
     """VNNI B operand of ``A t[:rows, :cols]`` (a 2-D tile, rows even): ``[rows/2, cols]`` with row stride cols."""
     address, pitch = t.ctypes.data, t.strides[0]
@@ -320,8 +353,8 @@ def _pack_tile(t, rows, cols, out):
 @njit(**_KERNEL)
 def _pack_kv_kernel(k, v, kt, vv):
     """K and V key blocks (``_FWD_BK`` keys) packed for the forward's brgemm: ``kt[b, n2, kb]`` the B of QK^T
-    (:func:`_pack_transposed`) and ``vv[b, n2, kb]`` the B of PV (:func:`_pack_rows`; a block with an odd column
-    count is left out: MKL takes it)."""
+    (:func:`_pack_transposed`) and, for bfloat16, ``vv[b, n2, kb]`` the B of PV (:func:`_pack_rows`; a block with an
+    odd column count is left out: MKL takes it; float32 reads V in place)."""
     B, N2, Skv, _ = k.shape
     nkb = kt.shape[2]
     for task in prange(B * N2 * nkb):
@@ -331,7 +364,7 @@ def _pack_kv_kernel(k, v, kt, vv):
         j0 = kb * _FWD_BK
         cols = min(_FWD_BK, Skv - j0)
         _pack_transposed(k, b, n2, j0, cols, kt[b, n2, kb])
-        if cols % 2 == 0:
+        if _pairs(v) and cols % 2 == 0:
             _pack_rows(v, b, n2, j0, cols, vv[b, n2, kb])
 
 
@@ -340,8 +373,8 @@ def _forward_block(q, k, v, kt, vv, packed, b, n, i0, rows, mask, pse, prefix, d
                    s, p, acc, m, l):
     """One query block over all key blocks; returns True when a tile outside the visible region was skipped.
 
-    ``packed``: kt / vv hold K and V packed by :func:`_pack_kv_kernel`; the two GEMMs of a tile with an even
-    column count then run on the AMX brgemm, the others on MKL."""
+    ``packed``: kt / vv hold K and V packed by :func:`_pack_kv_kernel`; the two GEMMs of a tile then run on the
+    brgemm (bfloat16: tiles with an even column count), the others on MKL."""
     n2 = n // (q.shape[1] // k.shape[1])
     D, Skv, Dv = q.shape[3], k.shape[2], v.shape[3]
     BK = s.shape[1]
@@ -357,18 +390,18 @@ def _forward_block(q, k, v, kt, vv, packed, b, n, i0, rows, mask, pse, prefix, d
         if cols == 0 or (kind == _OUTSIDE and allow_skip):
             skipped = True
             continue
-        amx = packed and block % 2 == 0
+        amx = packed and (block % 2 == 0 or not _pairs(q))
         if amx:
-            brgemm_bf16(rows, cols, D, _ld(q), block, BK, False, _ptr(q, b, n, i0), _ptr(kt, b, n2, j0 // BK),
-                        s.ctypes.data)
+            brgemm(q, rows, cols, D, _ld(q), block, BK, False, _ptr(q, b, n, i0), _ptr(kt, b, n2, j0 // BK),
+                   s.ctypes.data)
         else:
             gemm(q, NO_TRANS, TRANS, rows, cols, D, 1.0, _ptr(q, b, n, i0), _ld(q), _ptr(k, b, n2, j0), _ld(k),
                  0.0, s.ctypes.data, BK)
         general = ip[_HAS_MASK] != 0 or kind != _INSIDE
         _forward_tile(s, p, acc, m, l, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp)
         if amx:
-            brgemm_bf16(rows, Dv, cols, BK, Dv, Dv, not first, p.ctypes.data, _ptr(vv, b, n2, j0 // BK),
-                        acc.ctypes.data)
+            v_address, ldv = _rows_operand(v, b, n2, j0, _ptr(vv, b, n2, j0 // BK))
+            brgemm(q, rows, Dv, cols, BK, ldv, Dv, not first, p.ctypes.data, v_address, acc.ctypes.data)
         else:
             gemm(q, NO_TRANS, NO_TRANS, rows, Dv, cols, 1.0, p.ctypes.data, BK, _ptr(v, b, n2, j0), _ld(v),
                  0.0 if first else 1.0, acc.ctypes.data, Dv)
@@ -489,10 +522,10 @@ def _add_dpse_row(s, r, cols, i, j0, b, n, ip, fp, dpse):
 def _pack_key_block(k, v, b, n2, j0, cols, packs):
     """The key block's B operands of the backward's brgemm (:func:`_backward_gemms`): K^T for S, V^T for dP and
     K for dQ."""
-    kt, vt, kr = packs[0], packs[1], packs[2]
-    _pack_transposed(k, b, n2, j0, cols, kt)
-    _pack_transposed(v, b, n2, j0, cols, vt)
-    _pack_rows(k, b, n2, j0, cols, kr)
+    _pack_transposed(k, b, n2, j0, cols, packs[0])
+    _pack_transposed(v, b, n2, j0, cols, packs[1])
+    if _pairs(k):
+        _pack_rows(k, b, n2, j0, cols, packs[2])
 
 
 @njit(inline="always")
@@ -501,8 +534,8 @@ def _score_gemms(q, k, v, dy, b, n, n2, i0, rows, j0, cols, amx, packs, s, dp):
     BK = s.shape[1]
     qp, dyp = _ptr(q, b, n, i0), _ptr(dy, b, n, i0)
     if amx:
-        brgemm_bf16(rows, cols, q.shape[3], _ld(q), cols, BK, False, qp, packs[0].ctypes.data, s.ctypes.data)
-        brgemm_bf16(rows, cols, v.shape[3], _ld(dy), cols, BK, False, dyp, packs[1].ctypes.data, dp.ctypes.data)
+        brgemm(q, rows, cols, q.shape[3], _ld(q), cols, BK, False, qp, packs[0].ctypes.data, s.ctypes.data)
+        brgemm(q, rows, cols, v.shape[3], _ld(dy), cols, BK, False, dyp, packs[1].ctypes.data, dp.ctypes.data)
     else:
         gemm(q, NO_TRANS, TRANS, rows, cols, q.shape[3], 1.0, qp, _ld(q), _ptr(k, b, n2, j0), _ld(k), 0.0,
              s.ctypes.data, BK)
@@ -514,19 +547,19 @@ def _score_gemms(q, k, v, dy, b, n, n2, i0, rows, j0, cols, amx, packs, s, dp):
 def _gradient_gemms(q, k, dy, qt, dyt, b, n, n2, i0, rows, j0, cols, amx, packs, pt, dst, dkt, dvt, dq_ptr):
     """dV^T += dY^T Pd, dK^T += Q^T dS (fp32 ``[D, BK]`` accumulators) and dQ += dS K (fp32, row stride D).
 
-    On the brgemm the A operands dY^T and Q^T come from the transposed copies ``dyt`` / ``qt`` ``[B, N1, D, Sq]``
-    and Pd, dS are packed (:func:`_pack_tile`); K comes packed by :func:`_pack_key_block`."""
+    On the brgemm the A operands dY^T and Q^T come from the transposed copies ``dyt`` / ``qt`` ``[B, N1, D, Sq]``;
+    bfloat16 Pd, dS are packed (:func:`_tile_operand`) and K comes packed by :func:`_pack_key_block`."""
     BK = pt.shape[1]
     D, Dv = q.shape[3], dy.shape[3]
     if amx:
-        ptv, dsv = packs[3], packs[4]
-        _pack_tile(pt, rows, cols, ptv)
-        _pack_tile(dst, rows, cols, dsv)
-        brgemm_bf16(Dv, cols, rows, _ld(dyt), cols, BK, True, _ptr(dyt, b, n, 0) + i0 * 2, ptv.ctypes.data,
-                    dvt.ctypes.data)
-        brgemm_bf16(D, cols, rows, _ld(qt), cols, BK, True, _ptr(qt, b, n, 0) + i0 * 2, dsv.ctypes.data,
-                    dkt.ctypes.data)
-        brgemm_bf16(rows, D, cols, BK, D, D, True, dst.ctypes.data, packs[2].ctypes.data, dq_ptr)
+        pt_address, ldp = _tile_operand(pt, rows, cols, packs[3])
+        ds_address, lds = _tile_operand(dst, rows, cols, packs[4])
+        brgemm(q, Dv, cols, rows, _ld(dyt), ldp, BK, True, _ptr(dyt, b, n, 0) + i0 * dyt.itemsize, pt_address,
+               dvt.ctypes.data)
+        brgemm(q, D, cols, rows, _ld(qt), lds, BK, True, _ptr(qt, b, n, 0) + i0 * qt.itemsize, ds_address,
+               dkt.ctypes.data)
+        k_address, ldk = _rows_operand(k, b, n2, j0, packs[2].ctypes.data)
+        brgemm(q, rows, D, cols, BK, ldk, D, True, dst.ctypes.data, k_address, dq_ptr)
     else:
         qp, dyp = _ptr(q, b, n, i0), _ptr(dy, b, n, i0)
         gemm(q, TRANS, NO_TRANS, Dv, cols, rows, 1.0, dyp, _ld(dy), pt.ctypes.data, BK, 1.0, dvt.ctypes.data, BK)
@@ -540,8 +573,8 @@ def _backward_key_block(q, k, v, dy, qt, dyt, packed, smax, ssum, dr, mask, pse,
                         chunk, dq_acc, s, dp, pt, dst, dkt, dvt, packs, dpse):
     """dK^T / dV^T of keys [j0, j0+BK) over the G query heads and all query blocks; dQ into dq_acc[chunk].
 
-    ``packed``: bfloat16 on torch's brgemm (:func:`_use_brgemm`) for tiles with even rows and columns (VNNI
-    pairs), MKL for the others."""
+    ``packed``: on torch's brgemm (:func:`_use_brgemm`; bfloat16: tiles with even rows and columns, VNNI pairs),
+    MKL for the others."""
     N1, Sq, D = q.shape[1], q.shape[2], q.shape[3]
     G = N1 // k.shape[1]
     Skv = k.shape[2]
@@ -549,7 +582,7 @@ def _backward_key_block(q, k, v, dy, qt, dyt, packed, smax, ssum, dr, mask, pse,
     cols = min(BK, Skv - j0)
     dkt[:] = 0.0
     dvt[:] = 0.0
-    packed = packed and cols % 2 == 0
+    packed = packed and (cols % 2 == 0 or not _pairs(q))
     if packed:
         _pack_key_block(k, v, b, n2, j0, cols, packs)
     for n in range(n2 * G, n2 * G + G):
@@ -558,7 +591,7 @@ def _backward_key_block(q, k, v, dy, qt, dyt, packed, smax, ssum, dr, mask, pse,
             kind = _tile_kind(i0, rows, j0, cols, ip[_PRE], ip[_NXT], prefix[b])
             if kind == _OUTSIDE and not _dead_row(smax, b, n, i0, rows):
                 continue  # P = exp(-FLT_MAX - max) = 0 on the whole tile
-            amx = packed and rows % 2 == 0
+            amx = packed and (rows % 2 == 0 or not _pairs(q))
             _score_gemms(q, k, v, dy, b, n, n2, i0, rows, j0, cols, amx, packs, s, dp)
             general = ip[_HAS_MASK] != 0 or kind != _INSIDE
             _backward_tile(s, dp, pt, dst, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp,
@@ -568,10 +601,11 @@ def _backward_key_block(q, k, v, dy, qt, dyt, packed, smax, ssum, dr, mask, pse,
 
 
 @njit(**_KERNEL)
-def _backward_kernel(q, k, v, dy, qt, dyt, packed, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, dq_acc, dk, dv,
-                     dpse, batch_tasks):
+def _backward_kernel(q, k, v, dy, qt, dyt, packed, pack_like, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, dq_acc,
+                     dk, dv, dpse, batch_tasks):
     """Tasks (bt, n2, chunk), bt < batch_tasks; a task runs the batches ``bt, bt + batch_tasks, ...`` in order
-    for each of its key blocks (batch_tasks 1: a batch-broadcast dpse is summed over b in one task)."""
+    for each of its key blocks (batch_tasks 1: a batch-broadcast dpse is summed over b in one task). ``pack_like``:
+    an array of the packed operands' element type (uint32 VNNI pairs for bfloat16, else float32)."""
     B, N2, Skv, D = k.shape
     Dv = v.shape[3]
     chunks = dq_acc.shape[0]
@@ -587,9 +621,10 @@ def _backward_kernel(q, k, v, dy, qt, dyt, packed, smax, ssum, dr, mask, pse, pr
         dst = np.empty((_BQ, _BK), q.dtype)
         dkt = np.empty((D, _BK), np.float32)
         dvt = np.empty((Dv, _BK), np.float32)
-        pairs, tile_pairs = (max(D, Dv) * _BK // 2, _BQ * _BK // 2) if packed else (1, 1)
-        packs = (np.empty(pairs, np.uint32), np.empty(pairs, np.uint32), np.empty(pairs, np.uint32),
-                 np.empty(tile_pairs, np.uint32), np.empty(tile_pairs, np.uint32))
+        per = 2 if _pairs(q) else 1  # input elements per packed element
+        block, tile = (max(D, Dv) * _BK // per, _BQ * _BK // per) if packed else (1, 1)
+        packs = (np.empty(block, pack_like.dtype), np.empty(block, pack_like.dtype), np.empty(block, pack_like.dtype),
+                 np.empty(tile, pack_like.dtype), np.empty(tile, pack_like.dtype))
         for kb in range(chunk * nkb // chunks, (chunk + 1) * nkb // chunks):
             j0 = kb * _BK
             for b in range(bt, B, batch_tasks):
@@ -678,19 +713,28 @@ def _plan_args(plan: AttentionPlan, q: torch.Tensor, skv: int, dpse: bool = Fals
 
 
 def _use_brgemm(q: torch.Tensor, d: int, dv: int) -> bool:
-    """The AMX brgemm serves bfloat16 with even head dims (VNNI pairs) where torch exports it."""
-    return HAS_BRGEMM and q.dtype == torch.bfloat16 and d % 2 == 0 and dv % 2 == 0
+    """torch's brgemm serves float32, and bfloat16 with even head dims (VNNI pairs), where it is usable
+    (:data:`.gemm.BRGEMM_DTYPES`)."""
+    return q.dtype in BRGEMM_DTYPES and (q.dtype == torch.float32 or (d % 2 == 0 and dv % 2 == 0))
+
+
+def _pack_like(q: torch.Tensor) -> np.ndarray:
+    """An array of the element type of q's packed brgemm operands: uint32 VNNI pairs (bfloat16), else float32."""
+    return np.empty(1, np.uint32 if q.dtype == torch.bfloat16 else np.float32)
 
 
 def _packed_kv(q: torch.Tensor, kv: np.ndarray, vv: np.ndarray) -> tuple:
-    """(kt, vt, packed): K and V packed for the forward's AMX brgemm (:func:`_use_brgemm`), else placeholders."""
+    """(kt, vt, packed): K and V packed for the forward's brgemm (:func:`_use_brgemm`; float32 needs K^T only, V is
+    read in place), else placeholders."""
     b, n2, skv, d = kv.shape
+    like = _pack_like(q)
+    placeholder = np.zeros((1, 1, 1, 1), like.dtype)
     if not _use_brgemm(q, d, vv.shape[3]):
-        placeholder = np.zeros((1, 1, 1, 1), np.uint32)
         return placeholder, placeholder, False
     nkb = -(-skv // _FWD_BK)
-    kt = np.empty((b, n2, nkb, _FWD_BK * d // 2), np.uint32)
-    vt = np.empty((b, n2, nkb, _FWD_BK * vv.shape[3] // 2), np.uint32)
+    per = 2 if q.dtype == torch.bfloat16 else 1  # input elements per packed element
+    kt = np.empty((b, n2, nkb, _FWD_BK * d // per), like.dtype)
+    vt = np.empty((b, n2, nkb, _FWD_BK * vv.shape[3] // per), like.dtype) if per == 2 else placeholder
     _pack_kv_kernel(kv, vv, kt, vt)
     return kt, vt, True
 
@@ -719,7 +763,7 @@ def _transposed_operands(q: torch.Tensor, dy: torch.Tensor, d: int, dv: int) -> 
     """Q^T and dY^T ``[B, N1, D, Sq]`` (contiguous copies): the A operands of the backward's dK and dV brgemm
     (:func:`_use_brgemm`), else placeholders."""
     if not _use_brgemm(q, d, dv):
-        placeholder = np.zeros((1, 1, 1, 1), np.uint16)
+        placeholder = kernel_view(q.new_zeros(1, 1, 1, 1))
         return placeholder, placeholder
     return tuple(kernel_view(t.transpose(-1, -2).contiguous()) for t in (q, dy))
 
@@ -773,7 +817,8 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     smax, ssum = (_view(t.detach().float(), in_place) for t in (softmax_max, softmax_sum))
     args = _plan_args(plan, q, Skv, want_dpse)
     qt, dyt = _transposed_operands(q, dy, D, v.shape[3])
-    _dynamic(_backward_kernel, qv, kv, vv, dyv, qt, dyt, qt.size > 1, smax, ssum, dr, *args, dq_acc,
+    packed = _use_brgemm(q, D, v.shape[3])
+    _dynamic(_backward_kernel, qv, kv, vv, dyv, qt, dyt, packed, _pack_like(q), smax, ssum, dr, *args, dq_acc,
              kernel_view(dk), kernel_view(dv), dpse, batch_tasks)
     _finish_dq_kernel(dq_acc, args[-1][0], kernel_view(dq))
     if want_dpse and dpse_out is None:

@@ -15,15 +15,16 @@ torch never oversubscribe the cores.
 Matrices are row-major and addressed by raw pointers (``int`` addresses, e.g. ``a.ctypes.data`` plus an
 offset in bytes) with leading dimensions in elements.
 
-``brgemm_bf16`` is torch's own bf16 micro-kernel entry (``at::native::cpublas::brgemm``, the one of torch's
-CPU flash attention; exported by ``libtorch_cpu``; oneDNN's brgemm on AMX, else on AVX512-BF16 ``vdpbf16ps``):
-bf16 A ``[m, k]`` times a B that is pre-packed in the VNNI layout (``B[k, n]`` stored at ``[k // 2, n, k % 2]``,
-i.e. row pairs interleaved), fp32 C. Measured: with B packed once and reused, the forward's 256x512x128 /
-256x128x512 tiles took 35-55% less time than on MKL with AMX (which repacks B on every call); on an AMD EPYC
-(AVX512-BF16, no AMX) a 256x256x128 product runs at 212 GFLOP/s per core against MKL's 85 (MKL does not use the
-BF16 instructions there). Caveat (AMX): interleaving it with MKL's AMX GEMMs in one thread slows MKL's calls
-(~1.6x), so a kernel should use one or the other. ``HAS_BRGEMM`` says whether it is usable (torch exports the
-symbol, CPU with AMX-BF16 or AVX512-BF16); callers fall back to ``gemm``.
+``brgemm`` is torch's own micro-kernel entry (``at::native::cpublas::brgemm``, the one of torch's CPU flash
+attention, exported by ``libtorch_cpu``; oneDNN's brgemm): A ``[m, k]`` times B ``[k, n]``, fp32 C; bfloat16 (AMX,
+else AVX512-BF16 ``vdpbf16ps``) with B pre-packed in the VNNI layout (``B[k, n]`` stored at ``[k // 2, n, k % 2]``,
+i.e. row pairs interleaved), float32 with B as it is. Measured: with B packed once and reused, the forward's
+256x512x128 / 256x128x512 bf16 tiles took 35-55% less time than on MKL with AMX (which repacks B on every call);
+on an AMD EPYC (AVX512-BF16, no AMX) a 256x256x128 product runs at 212 GFLOP/s per core in bf16 against MKL's 85
+(MKL does not use the BF16 instructions there) and at 109 GFLOP/s in fp32 against MKL's 86. Caveat (AMX):
+interleaving it with MKL's AMX GEMMs in one thread slows MKL's calls (~1.6x), so a kernel should use one or the
+other. ``BRGEMM_DTYPES`` says which dtypes it serves (float32 where torch exports it, bfloat16 on CPUs with
+AMX-BF16 or AVX512-BF16); callers fall back to ``gemm``.
 """
 
 from __future__ import annotations
@@ -111,16 +112,21 @@ def _gemm_for_test(a, b, c, trans_b):  # used by the tests and as a smoke check 
 
 
 _BRGEMM_SYMBOL = "_ZN2at6native7cpublas6brgemmEllllllbPKN3c108BFloat16ES5_Pfb"
+_BRGEMM_F32_SYMBOL = "_ZN2at6native7cpublas6brgemmEllllllbPKfS3_Pfb"
+_BRGEMM_F16_SYMBOL = "_ZN2at6native7cpublas6brgemmEllllllbPKN3c104HalfES5_Pfb"  # bound, not served (see below)
 _RELEASE_SYMBOL = "_ZN2at6native7cpublas14brgemm_releaseEb"
+_BRGEMM_STUB_TYPE = ctypes.CFUNCTYPE(None, *(ctypes.c_int64,) * 6, ctypes.c_bool, *(ctypes.c_void_p,) * 3,
+                                     ctypes.c_bool)
 # no-op stand-ins bound where torch lacks the symbols: every kernel must link, even if it never takes that path
-_STUBS = {_BRGEMM_SYMBOL: ctypes.CFUNCTYPE(None, *(ctypes.c_int64,) * 6, ctypes.c_bool, *(ctypes.c_void_p,) * 3,
-                                          ctypes.c_bool)(lambda *args: None),
+_STUBS = {_BRGEMM_SYMBOL: _BRGEMM_STUB_TYPE(lambda *args: None),
+          _BRGEMM_F32_SYMBOL: _BRGEMM_STUB_TYPE(lambda *args: None),
+          _BRGEMM_F16_SYMBOL: _BRGEMM_STUB_TYPE(lambda *args: None),
           _RELEASE_SYMBOL: ctypes.CFUNCTYPE(None, ctypes.c_bool)(lambda *args: None)}
 
 
-def _load_brgemm() -> bool:
-    """Bind the brgemm symbols (torch's, else the stubs); True when they are torch's and the CPU has AMX-BF16 or
-    AVX512-BF16."""
+def _load_brgemm() -> frozenset:
+    """Bind the brgemm symbols (torch's, else the stubs); the torch dtypes they serve: float32 where torch
+    exports them, bfloat16 too on a CPU with AMX-BF16 or AVX512-BF16."""
     try:
         lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"))
         for name in _STUBS:
@@ -128,25 +134,42 @@ def _load_brgemm() -> bool:
     except (OSError, AttributeError):
         for name, stub in _STUBS.items():
             llvm.add_symbol(name, ctypes.cast(stub, ctypes.c_void_p).value)
-        return False
+        return frozenset()
     features = (config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()).split(",")
-    return "+amx-bf16" in features or "+avx512bf16" in features
+    bf16 = "+amx-bf16" in features or "+avx512bf16" in features
+    return frozenset((torch.float32, torch.bfloat16) if bf16 else (torch.float32,))
 
 
-HAS_BRGEMM = _load_brgemm()
+BRGEMM_DTYPES = _load_brgemm()
 _i64 = types.int64
-_brgemm = types.ExternalFunction(_BRGEMM_SYMBOL, types.void(_i64, _i64, _i64, _i64, _i64, _i64, types.boolean,
-                                                             types.intp, types.intp, types.intp, types.boolean))
+_BRGEMM_SIGNATURE = types.void(_i64, _i64, _i64, _i64, _i64, _i64, types.boolean, types.intp, types.intp, types.intp,
+                               types.boolean)
+_BRGEMMS = {types.uint16: (types.ExternalFunction(_BRGEMM_SYMBOL, _BRGEMM_SIGNATURE), True),
+            types.float32: (types.ExternalFunction(_BRGEMM_F32_SYMBOL, _BRGEMM_SIGNATURE), False),
+            types.int16: (types.ExternalFunction(_BRGEMM_F16_SYMBOL, _BRGEMM_SIGNATURE), True)}
 _release = types.ExternalFunction(_RELEASE_SYMBOL, types.void(types.boolean))
 
 
-@njit(inline="always")
-def brgemm_bf16(m, n, k, lda, ldb, ldc, accumulate, a, b, c):
-    """C[m,n] (fp32, leading dim ldc) (+)= A[m,k] (bf16, lda) B[k,n] (bf16 VNNI-packed, ldb = n's stride)."""
-    _brgemm(m, n, k, lda, ldb, ldc, accumulate, a, b, c, True)
+def brgemm(a_like, m, n, k, lda, ldb, ldc, accumulate, a, b, c):  # pragma: no cover
+    """C[m,n] (fp32, leading dim ldc) (+)= A[m,k] (lda) B[k,n] (ldb = n's stride), A and B of ``a_like``'s element
+    type: bfloat16 (float16 likewise: it compiles in the kernels shared by all dtypes, but float16 is not in
+    ``BRGEMM_DTYPES``: it needs AMX-FP16) with B VNNI-packed (a pair as one uint32), or float32 with B as it is."""
+    raise NotImplementedError
+
+
+@overload(brgemm, inline="always")
+def _brgemm_impl(a_like, m, n, k, lda, ldb, ldc, accumulate, a, b, c):
+    routine, vnni = _BRGEMMS.get(a_like.dtype, (None, False))
+    if routine is None:
+        return None
+
+    def impl(a_like, m, n, k, lda, ldb, ldc, accumulate, a, b, c):
+        routine(m, n, k, lda, ldb, ldc, accumulate, a, b, c, vnni)
+
+    return impl
 
 
 @njit(inline="always")
 def brgemm_release():
-    """Release the AMX state of the calling thread (after its last ``brgemm_bf16`` of a task)."""
+    """Release the AMX state of the calling thread (after its last ``brgemm`` of a task; a no-op without AMX)."""
     _release(True)
