@@ -7,7 +7,9 @@ rows, so every row is computed by the same instructions for any thread count (bi
 
 Each row is read from memory once and written once. Within a block the rows are software-pipelined: one
 loop over the row reads row ``k + 1`` (memory), computes row ``k`` (exp, or the gradient) and writes row
-``k - 1`` (memory), so the memory streams run while the core computes instead of in separate phases.
+``k - 1`` (memory), so the memory streams run while the core computes instead of in separate phases. A row is
+rounded into a row buffer and then copied out, by non-temporal stores when the output is large
+(:func:`.numeric.streams`: a plain store would first read each destination line from memory).
 
 The forward is compute-bound per element in bf16/fp16 at this bandwidth, so its row loop is kept short:
 ``exp(z - max)`` as ``exp2_32((z - max) * log2 e)``, the row maximum as one ``vmaxps`` per vector (a nan
@@ -111,6 +113,13 @@ def _put_row(y, y_address, row, out, out_address, stream):
 
 
 @njit(inline="always", fastmath=FASTMATH)
+def _round_row(bufs, k, inv, out, y):
+    """out = bufs[k] * inv rounded to y's element type."""
+    for j in range(out.size):
+        out[j] = narrow(bufs[k, j] * inv, y)
+
+
+@njit(inline="always", fastmath=FASTMATH)
 def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, stream):
     """Softmax of rows [first, last): three fp32 row buffers ``bufs[0..2]`` rotate (loaded, exponentiated,
     stored); a stored row is rounded into ``out`` and copied to y (:func:`_put_row`)."""
@@ -135,17 +144,14 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, stre
                 total += e
         else:  # first and last row of the block: the three stages one after the other
             if r > first:
-                for j in range(S2):
-                    out[j] = narrow(bufs[prv, j] * inv, y)
+                _round_row(bufs, prv, inv, out, y)
             if r + 1 < last:
                 top_next = _load_row(x, mask, _row(r + 1, N, S1, mask), scale, round_scaled, bufs, nxt)
             total = _exp_row(bufs, cur, top)
         if r > first:
             _put_row(y, y_address, _row(r - 1, N, S1, mask), out, out_address, stream)
         inv = np.float32(1.0) / total
-    last_row = (last - 1 - first) % 3
-    for j in range(S2):
-        out[j] = narrow(bufs[last_row, j] * inv, y)
+    _round_row(bufs, (last - 1 - first) % 3, inv, out, y)
     _put_row(y, y_address, _row(last - 1, N, S1, mask), out, out_address, stream)
 
 
