@@ -390,8 +390,8 @@ def _forward_block(q, k, v, kt, vv, packed, b, n, i0, rows, mask, pse, prefix, d
         if cols == 0 or (kind == _OUTSIDE and allow_skip):
             skipped = True
             continue
-        amx = packed and (block % 2 == 0 or not _pairs(q))
-        if amx:
+        on_brgemm = packed and (block % 2 == 0 or not _pairs(q))
+        if on_brgemm:
             brgemm(q, rows, cols, D, _ld(q), block, BK, False, _ptr(q, b, n, i0), _ptr(kt, b, n2, j0 // BK),
                    s.ctypes.data)
         else:
@@ -399,7 +399,7 @@ def _forward_block(q, k, v, kt, vv, packed, b, n, i0, rows, mask, pse, prefix, d
                  0.0, s.ctypes.data, BK)
         general = ip[_HAS_MASK] != 0 or kind != _INSIDE
         _forward_tile(s, p, acc, m, l, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp)
-        if amx:
+        if on_brgemm:
             v_address, ldv = _rows_operand(v, b, n2, j0, _ptr(vv, b, n2, j0 // BK))
             brgemm(q, rows, Dv, cols, BK, ldv, Dv, not first, p.ctypes.data, v_address, acc.ctypes.data)
         else:
@@ -520,8 +520,8 @@ def _add_dpse_row(s, r, cols, i, j0, b, n, ip, fp, dpse):
 
 @njit(inline="always")
 def _pack_key_block(k, v, b, n2, j0, cols, packs):
-    """The key block's B operands of the backward's brgemm (:func:`_backward_gemms`): K^T for S, V^T for dP and
-    K for dQ."""
+    """The key block's B operands of the backward's brgemm (:func:`_score_gemms`, :func:`_gradient_gemms`): K^T
+    for S, V^T for dP and (bfloat16) K for dQ."""
     _pack_transposed(k, b, n2, j0, cols, packs[0])
     _pack_transposed(v, b, n2, j0, cols, packs[1])
     if _pairs(k):
@@ -529,11 +529,11 @@ def _pack_key_block(k, v, b, n2, j0, cols, packs):
 
 
 @njit(inline="always")
-def _score_gemms(q, k, v, dy, b, n, n2, i0, rows, j0, cols, amx, packs, s, dp):
+def _score_gemms(q, k, v, dy, b, n, n2, i0, rows, j0, cols, on_brgemm, packs, s, dp):
     """s = Q K^T and dp = dY V^T of the tile (fp32, row stride BK)."""
     BK = s.shape[1]
     qp, dyp = _ptr(q, b, n, i0), _ptr(dy, b, n, i0)
-    if amx:
+    if on_brgemm:
         brgemm(q, rows, cols, q.shape[3], _ld(q), cols, BK, False, qp, packs[0].ctypes.data, s.ctypes.data)
         brgemm(q, rows, cols, v.shape[3], _ld(dy), cols, BK, False, dyp, packs[1].ctypes.data, dp.ctypes.data)
     else:
@@ -544,14 +544,14 @@ def _score_gemms(q, k, v, dy, b, n, n2, i0, rows, j0, cols, amx, packs, s, dp):
 
 
 @njit(inline="always")
-def _gradient_gemms(q, k, dy, qt, dyt, b, n, n2, i0, rows, j0, cols, amx, packs, pt, dst, dkt, dvt, dq_ptr):
+def _gradient_gemms(q, k, dy, qt, dyt, b, n, n2, i0, rows, j0, cols, on_brgemm, packs, pt, dst, dkt, dvt, dq_ptr):
     """dV^T += dY^T Pd, dK^T += Q^T dS (fp32 ``[D, BK]`` accumulators) and dQ += dS K (fp32, row stride D).
 
     On the brgemm the A operands dY^T and Q^T come from the transposed copies ``dyt`` / ``qt`` ``[B, N1, D, Sq]``;
     bfloat16 Pd, dS are packed (:func:`_tile_operand`) and K comes packed by :func:`_pack_key_block`."""
     BK = pt.shape[1]
     D, Dv = q.shape[3], dy.shape[3]
-    if amx:
+    if on_brgemm:
         pt_address, ldp = _tile_operand(pt, rows, cols, packs[3])
         ds_address, lds = _tile_operand(dst, rows, cols, packs[4])
         brgemm(q, Dv, cols, rows, _ld(dyt), ldp, BK, True, _ptr(dyt, b, n, 0) + i0 * dyt.itemsize, pt_address,
@@ -591,13 +591,14 @@ def _backward_key_block(q, k, v, dy, qt, dyt, packed, smax, ssum, dr, mask, pse,
             kind = _tile_kind(i0, rows, j0, cols, ip[_PRE], ip[_NXT], prefix[b])
             if kind == _OUTSIDE and not _dead_row(smax, b, n, i0, rows):
                 continue  # P = exp(-FLT_MAX - max) = 0 on the whole tile
-            amx = packed and (rows % 2 == 0 or not _pairs(q))
-            _score_gemms(q, k, v, dy, b, n, n2, i0, rows, j0, cols, amx, packs, s, dp)
+            on_brgemm = packed and (rows % 2 == 0 or not _pairs(q))
+            _score_gemms(q, k, v, dy, b, n, n2, i0, rows, j0, cols, on_brgemm, packs, s, dp)
             general = ip[_HAS_MASK] != 0 or kind != _INSIDE
             _backward_tile(s, dp, pt, dst, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp,
                            smax, ssum, dr, dpse)
             dq_ptr = dq_acc.ctypes.data + (((chunk * dq_acc.shape[1] + b) * N1 + n) * Sq + i0) * D * 4
-            _gradient_gemms(q, k, dy, qt, dyt, b, n, n2, i0, rows, j0, cols, amx, packs, pt, dst, dkt, dvt, dq_ptr)
+            _gradient_gemms(q, k, dy, qt, dyt, b, n, n2, i0, rows, j0, cols, on_brgemm, packs, pt, dst, dkt, dvt,
+                            dq_ptr)
 
 
 @njit(**_KERNEL)
