@@ -13,7 +13,8 @@ from attngrad.kernels.numeric import narrow, widen
 from attngrad.kernels.scaled_masked_softmax import (_rounded_product, scaled_masked_softmax_backward,
                                                    scaled_masked_softmax_forward)
 from attngrad.kernels.tensor_view import kernel_view
-from attngrad.kernels.scaled_masked_softmax_reference import scaled_masked_softmax_reference
+from attngrad.kernels.scaled_masked_softmax_reference import (scaled_masked_softmax_backward_reference,
+                                                             scaled_masked_softmax_reference)
 from attngrad.precision import assert_close
 
 
@@ -77,4 +78,6 @@ def test_streamed_outputs_equal_cached_ones(dtype, layout):
         results.append((y, dx))
     (y0, dx0), (y1, dx1) = results
     assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
-    assert_close(y1, scaled_masked_softmax_reference(x, torch.from_numpy(mask).bool(), 0.5), dtype, use_mere=True)
+    bool_mask = torch.from_numpy(mask).bool()
+    assert_close(y1, scaled_masked_softmax_reference(x, bool_mask, 0.5), dtype, use_mere=True)
+    assert_close(dx1, scaled_masked_softmax_backward_reference(dy, y1, bool_mask, 0.5), dtype, use_mere=True)

@@ -18,8 +18,8 @@ Backward: rows are swept from ``T-1`` down to 0 keeping a length-T fp32 running 
 16-lane vectors (no scalar remainder loop), the lanes past the diagonal add -0.0, the exact neutral element,
 whatever value lies there. Rows go in pairs (one pass over the column sums for two rows), and while a problem is
 swept the next one is prefetched in ascending rows, two rows per pair: the sweep reads memory in descending
-rows, which the hardware prefetchers do not follow. Rows are read through their addresses (no array view per
-row: a view counts a reference, an atomic instruction, which cost more than the row). With enough
+rows, which the hardware prefetchers do not follow. Rows are read through their addresses
+(:func:`.numeric.array_at`: a view per row would count a reference, an atomic instruction). With enough
 problems one task per problem writes its gradient row directly (a single parallel region per call: the calls
 are short, about 1 ms, so per-call overhead matters).
 
@@ -32,9 +32,9 @@ equal triangle area and adds the chunks' partial sums in a fixed order.
 from __future__ import annotations
 
 import numpy as np
-from numba import carray, njit, prange
+from numba import njit, prange
 
-from .numeric import FASTMATH, exp32, narrow, prefer_512_bit_vectors, prefetch, void_pointer, widen
+from .numeric import FASTMATH, array_at, exp32, narrow, prefer_512_bit_vectors, prefetch, widen
 
 
 # The forward's compensated sums need IEEE addition order: no reassociation (it would cancel the compensation).
@@ -125,9 +125,9 @@ def _add_product_rows(colsum, g1, g2, width, h1, h2, width_next):
 
 @njit(inline="always")
 def _row(a, address, i, j0, n):
-    """``a[i, j0:j0+n]`` of a 2-D view with unit-stride rows whose data starts at ``address``, as a C array made
-    from the address: a slice of ``a`` would count a reference (an atomic instruction) per row."""
-    return carray(void_pointer(address + i * a.strides[0] + j0 * a.itemsize), n, a.dtype)
+    """``a[i, j0:j0+n]`` of a 2-D view with unit-stride rows whose data starts at ``address``
+    (:func:`.numeric.array_at`: no reference counted per row)."""
+    return array_at(address + i * a.strides[0] + j0 * a.itemsize, n, a.dtype)
 
 
 @njit(inline="always")

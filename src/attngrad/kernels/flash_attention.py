@@ -51,12 +51,12 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numba import carray, njit, prange, set_parallel_chunksize
+from numba import njit, prange, set_parallel_chunksize
 
 from .flash_attention_plan import MASKED_LOGIT, AttentionPlan
 from .gemm import BRGEMM_DTYPES, NO_TRANS, TRANS, brgemm, brgemm_release, gemm
-from .numeric import (FASTMATH, LOG2E, exp2_32, exp32, fmaximum, narrow, narrow_ftz, prefer_512_bit_vectors,
-                      void_pointer, widen)
+from .numeric import (FASTMATH, LOG2E, array_at, exp2_32, exp32, fmaximum, narrow, narrow_ftz,
+                      prefer_512_bit_vectors, widen)
 from .tensor_view import kernel_view, new_output
 
 _NEG = np.float32(MASKED_LOGIT)
@@ -201,7 +201,7 @@ def _ptr(a, i0, i1, i2):
 def _row(a, i0, i1, i2):
     """a[i0, i1, i2, :] as a C-contiguous 1-D array (a's last dim is unit-stride, :func:`_view`): loops over it
     vectorise, and compile the same (same bits), whatever a's other strides (numba's layout 'A' ones do not)."""
-    return carray(void_pointer(_ptr(a, i0, i1, i2)), a.shape[3], a.dtype)
+    return array_at(_ptr(a, i0, i1, i2), a.shape[3], a.dtype)
 
 
 @njit(inline="always")
@@ -344,10 +344,9 @@ def _tile_operand(t, rows, cols, out):
 def _pack_tile(t, rows, cols, out):
     """VNNI B operand of ``A t[:rows, :cols]`` (a 2-D tile, rows even): ``[rows/2, cols]`` with row stride cols."""
     address, pitch = t.ctypes.data, t.strides[0]
-    for r2 in range(rows // 2):  # rows made from addresses: a view t[r] would count a reference (an atomic)
-        even = carray(void_pointer(address + 2 * r2 * pitch), cols, t.dtype)
-        odd = carray(void_pointer(address + (2 * r2 + 1) * pitch), cols, t.dtype)
-        _interleave(even, odd, out, r2 * cols, cols)
+    for r2 in range(rows // 2):  # rows from addresses (:func:`.numeric.array_at`), not views t[r]
+        _interleave(array_at(address + 2 * r2 * pitch, cols, t.dtype),
+                    array_at(address + (2 * r2 + 1) * pitch, cols, t.dtype), out, r2 * cols, cols)
 
 
 @njit(**_KERNEL)
@@ -622,9 +621,11 @@ def _backward_kernel(q, k, v, dy, qt, dyt, packed, pack_like, smax, ssum, dr, ma
         dst = np.empty((_BQ, _BK), q.dtype)
         dkt = np.empty((D, _BK), np.float32)
         dvt = np.empty((Dv, _BK), np.float32)
-        per = 2 if _pairs(q) else 1  # input elements per packed element
-        block, tile = (max(D, Dv) * _BK // per, _BQ * _BK // per) if packed else (1, 1)
-        packs = (np.empty(block, pack_like.dtype), np.empty(block, pack_like.dtype), np.empty(block, pack_like.dtype),
+        per = pack_like.itemsize // q.itemsize  # input elements per packed element (2: VNNI pairs)
+        block = max(D, Dv) * _BK // per if packed else 1
+        pairs = block if per == 2 else 1  # K rows and the Pd / dS tiles are packed for VNNI pairs only
+        tile = _BQ * _BK // per if packed and per == 2 else 1
+        packs = (np.empty(block, pack_like.dtype), np.empty(block, pack_like.dtype), np.empty(pairs, pack_like.dtype),
                  np.empty(tile, pack_like.dtype), np.empty(tile, pack_like.dtype))
         for kb in range(chunk * nkb // chunks, (chunk + 1) * nkb // chunks):
             j0 = kb * _BK
@@ -733,7 +734,7 @@ def _packed_kv(q: torch.Tensor, kv: np.ndarray, vv: np.ndarray) -> tuple:
     if not _use_brgemm(q, d, vv.shape[3]):
         return placeholder, placeholder, False
     nkb = -(-skv // _FWD_BK)
-    per = 2 if q.dtype == torch.bfloat16 else 1  # input elements per packed element
+    per = like.itemsize // q.element_size()  # input elements per packed element (2: VNNI pairs)
     kt = np.empty((b, n2, nkb, _FWD_BK * d // per), like.dtype)
     vt = np.empty((b, n2, nkb, _FWD_BK * vv.shape[3] // per), like.dtype) if per == 2 else placeholder
     _pack_kv_kernel(kv, vv, kt, vt)
@@ -760,10 +761,10 @@ def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=
     return out, smax, ssum
 
 
-def _transposed_operands(q: torch.Tensor, dy: torch.Tensor, d: int, dv: int) -> tuple[np.ndarray, np.ndarray]:
+def _transposed_operands(q: torch.Tensor, dy: torch.Tensor, packed: bool) -> tuple[np.ndarray, np.ndarray]:
     """Q^T and dY^T ``[B, N1, D, Sq]`` (contiguous copies): the A operands of the backward's dK and dV brgemm
-    (:func:`_use_brgemm`), else placeholders."""
-    if not _use_brgemm(q, d, dv):
+    (``packed``, :func:`_use_brgemm`), else placeholders."""
+    if not packed:
         placeholder = kernel_view(q.new_zeros(1, 1, 1, 1))
         return placeholder, placeholder
     return tuple(kernel_view(t.transpose(-1, -2).contiguous()) for t in (q, dy))
@@ -817,8 +818,8 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     dpse_out, dpse = _dpse_target(plan, B, Sq) if want_dpse else (None, np.zeros((1, 1, 1, 1), np.float32))
     smax, ssum = (_view(t.detach().float(), in_place) for t in (softmax_max, softmax_sum))
     args = _plan_args(plan, q, Skv, want_dpse)
-    qt, dyt = _transposed_operands(q, dy, D, v.shape[3])
     packed = _use_brgemm(q, D, v.shape[3])
+    qt, dyt = _transposed_operands(q, dy, packed)
     _dynamic(_backward_kernel, qv, kv, vv, dyv, qt, dyt, packed, _pack_like(q), smax, ssum, dr, *args, dq_acc,
              kernel_view(dk), kernel_view(dv), dpse, batch_tasks)
     _finish_dq_kernel(dq_acc, args[-1][0], kernel_view(dq))

@@ -90,7 +90,7 @@ def prefetch(typingctx, address):
 
 
 @intrinsic
-def void_pointer(typingctx, address):
+def _void_pointer(typingctx, address):
     """An integer address as a ``void*`` (for ``numba.carray``)."""
     if not isinstance(address, types.Integer):
         return None
@@ -99,6 +99,14 @@ def void_pointer(typingctx, address):
         return builder.inttoptr(args[0], cgutils.voidptr_t)
 
     return types.voidptr(address), codegen
+
+
+@njit(inline="always")
+def array_at(address, n, dtype):
+    """The ``n`` elements of ``dtype`` at an integer address as a 1-D C array. Unlike a view (slice or row) of
+    an array it counts no reference: a view takes one per call, an atomic instruction, which costs more than a
+    short row and waits for pending non-temporal stores."""
+    return carray(_void_pointer(address), n, dtype)
 
 
 STREAM_MIN_BYTES = 16 << 20  # outputs from this size on are written by non-temporal stores (copy_row)
@@ -148,8 +156,7 @@ def copy_row(dst, src, nbytes, stream):
     task with :func:`stream_fence`), the unaligned head and tail by plain ones."""
     head = min((-dst) & (_STREAM_BLOCK - 1), nbytes) if stream else nbytes
     end = head + (nbytes - head) // _STREAM_BLOCK * _STREAM_BLOCK
-    target = carray(void_pointer(dst), nbytes, np.uint8)
-    source = carray(void_pointer(src), nbytes, np.uint8)
+    target, source = array_at(dst, nbytes, np.uint8), array_at(src, nbytes, np.uint8)
     for k in range(head):
         target[k] = source[k]
     for k in range(head, end, _STREAM_BLOCK):

@@ -25,6 +25,12 @@ def kernel_view(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+def unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its last dim is unit-stride (or of size 1), else a contiguous copy: for kernels that read
+    rows as contiguous runs (row addresses, vector loads)."""
+    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
+
+
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
 

@@ -22,7 +22,7 @@ import math
 import torch
 
 from ..kernels import exp_segsum as kernels
-from ..kernels.tensor_view import kernel_view, new_output
+from ..kernels.tensor_view import kernel_view, new_output, unit_stride_rows
 from ..validation import (FLOAT_DTYPES, check_dtype, check_output_view, check_rank, check_same_dtype, check_shape,
                           require_tensor)
 
@@ -101,12 +101,6 @@ def _as_rank(t: torch.Tensor, rank: int) -> torch.Tensor:
     return t.unsqueeze(0) if t.dim() < rank else t
 
 
-def _unit_rows(t: torch.Tensor) -> torch.Tensor:
-    """t itself when its last dim is unit-stride (the backward kernel reads rows through their addresses), else a
-    contiguous copy."""
-    return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
-
-
 def forward_kernel(x: torch.Tensor) -> torch.Tensor:
     """Run the forward kernel on validated input; returns a new ``(..., T, T)`` tensor."""
     t = x.shape[-1]
@@ -123,7 +117,7 @@ def backward_kernel(grad_output: torch.Tensor, grad_self: torch.Tensor) -> torch
     grad_input = torch.empty(grad_output.shape[:-1], dtype=grad_output.dtype)
     if grad_input.numel() == 0:
         return grad_input
-    go, gs = (kernel_view(_as_rank(_unit_rows(t), 5)) for t in (grad_output, grad_self))
+    go, gs = (kernel_view(_as_rank(unit_stride_rows(t), 5)) for t in (grad_output, grad_self))
     kernels.exp_segsum_backward(go, gs, _splits(grad_output[..., 0, 0].numel()), kernel_view(_as_rank(grad_input, 4)))
     return grad_input
 

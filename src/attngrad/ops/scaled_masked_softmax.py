@@ -19,7 +19,7 @@ import torch
 
 from ..kernels import scaled_masked_softmax as kernels
 from ..kernels.numeric import streams
-from ..kernels.tensor_view import kernel_view, new_output
+from ..kernels.tensor_view import kernel_view, new_output, unit_stride_rows
 from ..validation import (FLOAT_DTYPES, check_dim_broadcast, check_dim_equal, check_dtype, check_float,
                           check_output_view, check_range, check_rank, check_same_dtype, check_shape, invalid,
                           require_tensor)
@@ -115,10 +115,6 @@ def check_backward(grad_output, y, mask, scale=1.0, fix_triu_mask=False, out=Non
     return grad_output, y, mask, scale
 
 
-def _kernel_mask(mask: torch.Tensor) -> torch.Tensor:
-    return mask if mask.stride(-1) == 1 else mask.contiguous()
-
-
 def forward_kernel(x: torch.Tensor, mask: torch.Tensor, scale: float, y: torch.Tensor | None = None) -> torch.Tensor:
     """Run the fused forward kernel on validated input: x [B,N,S1,S2], mask bool [B|1,N|1,S1,S2] -> y like x
     (float16 input: the scale is rounded to float16 first, as CANN scales in fp16). ``y``, when given, is a
@@ -128,8 +124,8 @@ def forward_kernel(x: torch.Tensor, mask: torch.Tensor, scale: float, y: torch.T
         return y
     half = x.dtype == torch.float16
     kscale = np.float32(torch.tensor(scale, dtype=torch.float16 if half else torch.float32).item())
-    kernels.scaled_masked_softmax_forward(kernel_view(x), kernel_view(_kernel_mask(mask)), kscale, half,
-                                          streams(y.numel() * y.element_size()), kernel_view(y))
+    kernels.scaled_masked_softmax_forward(kernel_view(x), kernel_view(unit_stride_rows(mask)), kscale, half,
+                                          streams(y.nbytes), kernel_view(y))
     return y
 
 
@@ -140,8 +136,8 @@ def backward_kernel(grad_output, y, mask, scale: float, out: torch.Tensor | None
     if out.numel() == 0:
         return out
     kernels.scaled_masked_softmax_backward(kernel_view(grad_output), kernel_view(y),
-                                           kernel_view(_kernel_mask(mask)), np.float32(scale),
-                                           streams(out.numel() * out.element_size()), kernel_view(out))
+                                           kernel_view(unit_stride_rows(mask)), np.float32(scale),
+                                           streams(out.nbytes), kernel_view(out))
     return out
 
 
