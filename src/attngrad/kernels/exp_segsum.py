@@ -34,7 +34,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .numeric import FASTMATH, array_at, exp32, narrow, prefer_512_bit_vectors, prefetch, widen
+from .numeric import FASTMATH, array_at, exp32, narrow, prefer_512_bit_vectors, prefetch_bytes, widen
 
 
 # The forward's compensated sums need IEEE addition order: no reassociation (it would cancel the compensation).
@@ -134,11 +134,9 @@ def _row(a, address, i, j0, n):
 def _prefetch_row(go, gs, go_address, gs_address, i, j0, j1):
     """Start loading columns ``[j0, min(j1, i))`` of row i of go and gs (nothing when that is empty)."""
     if j0 < i < go.shape[0]:
-        offset = i * go.strides[0] + j0 * go.itemsize
-        offset_gs = i * gs.strides[0] + j0 * gs.itemsize
-        for byte in range(0, (min(j1, i) - j0) * go.itemsize, 64):
-            prefetch(go_address + offset + byte)
-            prefetch(gs_address + offset_gs + byte)
+        nbytes = (min(j1, i) - j0) * go.itemsize
+        prefetch_bytes(go_address + i * go.strides[0] + j0 * go.itemsize, nbytes)
+        prefetch_bytes(gs_address + i * gs.strides[0] + j0 * gs.itemsize, nbytes)
 
 
 @njit(inline="always", fastmath=FASTMATH)

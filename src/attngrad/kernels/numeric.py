@@ -89,6 +89,15 @@ def prefetch(typingctx, address):
     return types.void(address), codegen
 
 
+@njit(inline="always")
+def prefetch_bytes(address, nbytes):
+    """:func:`prefetch` every cache line of the ``nbytes`` at ``address`` (nothing when nbytes <= 0). For streams
+    that the hardware prefetchers lose: they stop at each 4 KiB page and do not follow rows read in descending
+    order."""
+    for offset in range(0, nbytes, 64):
+        prefetch(address + offset)
+
+
 @intrinsic
 def _void_pointer(typingctx, address):
     """An integer address as a ``void*`` (for ``numba.carray``)."""
