@@ -194,10 +194,35 @@ def test_time_case_interleaves_rounds_and_rates_against_the_copy_alongside():
     calls = []
     case = bench.BenchCase("ToyCopy", torch.float32, "n", {"ours": lambda: calls.append("o"),
                                                           "peer": lambda: calls.append("p")}, bytes_moved=8_000_000)
-    result = bench.time_case(case, repeat=3)
-    assert calls == ["o", "p"] * 4  # one warm-up call each, then three interleaved rounds
+    result = bench.time_case(case, repeat=3, min_s=0.0)
+    # one warm-up call each (and the copy's), then three rounds whose order rotates: ours, peer, copy /
+    # peer, copy, ours / copy, ours, peer
+    assert calls == ["o", "p"] + ["o", "p"] + ["p", "o"] + ["o", "p"]
     assert set(result.seconds) == {"ours", "peer"} and result.copy_gbps > 0
     row = result.to_json(ROOFLINES)
     assert row["copy_gbps_alongside"] == result.copy_gbps
     assert row["fraction_of_copy_bw"] == pytest.approx(row["gbps"]["ours"] / result.copy_gbps)
     assert bench.time_case(gemm_case(), repeat=1).copy_gbps is None
+
+
+def test_time_case_evicts_the_caches_before_each_timed_call_of_a_memory_bound_case(monkeypatch):
+    events = []
+    monkeypatch.setattr(bench, "evict_caches", lambda: events.append("evict"))
+    case = bench.BenchCase("ToyCopy", torch.float32, "n", {"ours": lambda: events.append("o")},
+                           bytes_moved=8_000)
+    bench.time_case(case, repeat=2, min_s=0.0)
+    # warm-up, then round 0 (ours, copy) and round 1 (copy, ours), each timed call after an eviction
+    assert events == ["o"] + ["evict", "o", "evict"] + ["evict", "evict", "o"]
+    events.clear()
+    bench.time_case(gemm_case(), repeat=2, min_s=0.0)
+    assert "evict" not in events
+
+
+def test_time_case_runs_more_rounds_for_fast_cases_within_limits():
+    calls = []
+    case = bench.BenchCase("Toy", torch.float32, "n", {"ours": lambda: calls.append(1)})
+    bench.time_case(case, repeat=2, min_s=60.0)
+    assert len(calls) == 1 + 5 * 2  # warm-up, then rounds up to five times repeat while under min_s
+    calls.clear()
+    bench.time_case(case, repeat=2, min_s=0.0)
+    assert len(calls) == 1 + 2

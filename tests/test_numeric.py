@@ -6,6 +6,8 @@
   (nan: any nan; torch's bfloat16 rounding returns +nan for every nan);
 * ``exp32``: relative error against float64 exp, the flush-to-zero and overflow points, nan/inf;
 * ``exp2_32``: relative error against float64 2**t, exact 2**0, the clamps, nan/inf;
+* ``exp2_nonpositive``: exp2_32's bits for float32 results, the degree-4 bound for bfloat16/float16 ones, and
+  exact 1, 0 and nan;
 * ``narrow_ftz`` equals ``narrow`` except that bfloat16 results below 2**-126 may flush to zero;
 * ``fmaximum`` propagates nan (the reduction the softmax kernel relies on); ``fmax_any_nan`` finds the max;
 * ``prefetch`` compiles to a hint that changes nothing;
@@ -22,7 +24,7 @@ import torch
 from numba import njit
 
 from attngrad.kernels.numeric import (HAS_AVX512_BF16, STREAM_MIN_BYTES, _f16_to_f32, _f32_to_f16, copy_row,
-                                      exp2_32, exp32, fmax_any_nan, fmaximum, narrow, narrow_ftz, prefetch,
+                                      exp2_32, exp2_nonpositive, exp32, fmax_any_nan, fmaximum, narrow, narrow_ftz, prefetch,
                                       stream_fence, streams, widen)
 from attngrad.kernels.tensor_view import kernel_view
 
@@ -72,6 +74,14 @@ def _exp2_all(v):
     out = np.empty_like(v)
     for i in range(v.size):
         out[i] = exp2_32(v[i])
+    return out
+
+
+@njit
+def _exp2_nonpositive_all(v, like):
+    out = np.empty_like(v)
+    for i in range(v.size):
+        out[i] = exp2_nonpositive(v[i], like)
     return out
 
 
@@ -192,6 +202,32 @@ def test_exp2_32_special_values_and_range_ends():
     assert got[4] == 1.0 and got[5] == 1.0  # exactly: P of a row's max is 1
     assert got[6] == 0.5 and got[7] == 8.0
     assert (got[8:10] == 0.0).all() and (got[10:12] == math.inf).all() and got[12] == 0.0
+
+
+NONPOSITIVE = torch.cat([torch.empty(1 << 20).uniform_(-126.0, 0.0, generator=torch.Generator().manual_seed(6)),
+                         -torch.linspace(0, 4, 40001)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_exp2_nonpositive_is_as_precise_as_the_result_dtype_needs(dtype):
+    like = kernel_view(torch.empty(1, dtype=dtype))
+    got = torch.from_numpy(_exp2_nonpositive_all(NONPOSITIVE.numpy(), like))
+    if dtype == torch.float32:  # float32 results keep exp2_32's polynomial: the same bits
+        assert torch.equal(got, torch.from_numpy(_exp2_all(NONPOSITIVE.numpy())))
+        return
+    want = torch.exp2(NONPOSITIVE.double())
+    rel = ((got.double() - want) / want).abs().max().item()
+    assert 2e-7 < rel < 3e-6  # the degree-4 polynomial: about 1/170 of half an ulp of bf16 and fp16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_exp2_nonpositive_special_values(dtype):
+    t = torch.tensor([0.0, -0.0, -1.0, -3.0, -127.0, -127.4, -200.0, -math.inf, math.nan, -3.4e38])
+    got = torch.from_numpy(_exp2_nonpositive_all(t.numpy(), kernel_view(torch.empty(1, dtype=dtype))))
+    assert got[0] == 1.0 and got[1] == 1.0  # exactly: P of a row's max is 1
+    assert got[2] == 0.5 and got[3] == 0.125
+    assert (got[4:8] == 0.0).all() and got[9] == 0.0  # masked logits give exactly 0
+    assert got[8].isnan()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -328,24 +328,50 @@ def _copy_fn(bytes_moved: int) -> Callable[[], object]:
     return lambda: dst.copy_(src)
 
 
-def time_case(case: BenchCase, repeat: int, budget_s: float = 60.0) -> BenchResult:
-    """Best-of-``repeat`` in interleaved rounds (one call of each implementation per round, after one
-    warm-up call each), so that every implementation sees the same machine load; memory-bound cases
-    also time a copy of the same bytes in the same rounds."""
+_EVICT_BYTES = 128 << 20  # larger than the last-level cache of the machines this runs on
+
+
+@functools.lru_cache(maxsize=1)
+def _evict_buffer() -> torch.Tensor:
+    return torch.ones(_EVICT_BYTES // 4)
+
+
+def evict_caches() -> None:
+    """Read 128 MiB, so that the next call finds none of its data in the caches (a read leaves no dirty lines
+    to write back, unlike a copy)."""
+    _evict_buffer().sum()
+
+
+def time_case(case: BenchCase, repeat: int, budget_s: float = 60.0, min_s: float = 2.0) -> BenchResult:
+    """Best of at least ``repeat`` interleaved rounds (one call of each implementation per round, after one
+    warm-up call each), so that every implementation sees the same machine load; memory-bound cases also time
+    a copy of the same bytes in the same rounds.
+
+    Memory-bound cases are rated against DRAM bandwidth, so every timed call of theirs (the copy's too) starts
+    with evicted caches (:func:`evict_caches`): cases of tens of MB otherwise run partly from the last-level
+    cache, more or less depending on the call before. The order also rotates from round to round, so that no
+    implementation always follows the same neighbour. Fast cases run more rounds, until ``min_s`` has passed
+    (at most ``5 * repeat``): the best of 10 sub-millisecond calls on a shared machine still carries its noise.
+    """
     fns = dict(case.impls)
     if case.bytes_moved:
         fns["__copy__"] = _copy_fn(case.bytes_moved)
+    names = list(fns)
     best = {name: float("inf") for name in fns}
     for fn in fns.values():
         fn()
     start = time.perf_counter()
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - t0)
-        if time.perf_counter() - start > budget_s:
+    for round_ in range(5 * repeat):
+        elapsed = time.perf_counter() - start
+        if round_ >= repeat and elapsed > min_s or elapsed > budget_s:
             break
+        for k in range(len(names)):
+            name = names[(round_ + k) % len(names)]
+            if case.bytes_moved:
+                evict_caches()
+            t0 = time.perf_counter()
+            fns[name]()
+            best[name] = min(best[name], time.perf_counter() - t0)
     copy = best.pop("__copy__", None)
     return BenchResult(case, best, case.bytes_moved / copy / 1e9 if copy else None)
 
