@@ -9,6 +9,9 @@ size s):
 * backward: read the strict lower triangle of gradOutput and gradSelf, ``2 * P * T*(T-1)/2 * s``, and
   write gradInput, ``P * T * s`` (the diagonal and the upper triangle are never read);
 * forward: read x, ``P * T * s``, and write the whole output, ``P * T * T * s``.
+
+As for ScaledMaskedSoftmax, the rated attngrad call writes into a preallocated output (aclnn's caller-owned
+output); the torch-level call, which allocates its output, is timed alongside.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 
 from attngrad import exp_segsum, exp_segsum_backward
 from attngrad.bench import BenchCase
+from attngrad.ops.exp_segsum import backward_kernel, forward_kernel
 
 
 def torch_exp_segsum(x: torch.Tensor) -> torch.Tensor:
@@ -47,18 +51,23 @@ def cases(quick: bool) -> list[BenchCase]:
         x = (torch.randn(shape, generator=g) * 0.1).to(dtype)
         grad_self = exp_segsum(x)
         grad_output = torch.randn(grad_self.shape, generator=g).to(dtype)
+        y, grad_input = torch.empty_like(grad_self), torch.empty(shape, dtype=dtype)
         t, es = shape[-1], x.element_size()
         problems = x.numel() // t
         out.append(BenchCase(
             "ExpSegsum", dtype, f"x{list(shape)}",
-            {"attngrad": lambda x=x: exp_segsum(x),
+            {"attngrad (out preallocated)": lambda x=x, y=y: forward_kernel(x, y),
+             "attngrad op (allocates)": lambda x=x: exp_segsum(x),
              "torch composition (D.2, fp32)": lambda x=x: torch_exp_segsum(x)},
             bytes_moved=problems * (t + t * t) * es,
-            notes="bytes: read x + write the (..., T, T) output"))
+            notes="bytes: read x + write the (..., T, T) output; ratios against attngrad (out preallocated)"))
         out.append(BenchCase(
             "ExpSegsumBackward", dtype, f"grad{list(grad_self.shape)}",
-            {"attngrad": lambda go=grad_output, gs=grad_self: exp_segsum_backward(go, gs),
+            {"attngrad (out preallocated)": lambda go=grad_output, gs=grad_self, gi=grad_input: backward_kernel(
+                go, gs, gi),
+             "attngrad op (allocates)": lambda go=grad_output, gs=grad_self: exp_segsum_backward(go, gs),
              "torch nine steps (fp32)": lambda go=grad_output, gs=grad_self: torch_exp_segsum_backward(go, gs)},
             bytes_moved=problems * (2 * (t * (t - 1) // 2) + t) * es,
-            notes="bytes: read the strict lower triangles of both inputs + write gradInput"))
+            notes="bytes: read the strict lower triangles of both inputs + write gradInput; ratios against "
+                  "attngrad (out preallocated)"))
     return out

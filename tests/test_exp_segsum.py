@@ -410,3 +410,29 @@ def test_empty_tensors_torch_layer(shape):
     assert out.shape == (*shape, shape[-1])
     grad = attngrad.exp_segsum_backward(out.detach(), out.detach())
     assert grad.shape == shape
+
+
+def test_aclnn_forward_into_a_strided_output(acl_device):
+    # out is every other element of its storage: written in place, the elements between untouched
+    t = 6
+    x = torch.randn(1, 2, 1, t) * 0.3
+    tx, _ = acl_device.tensor(x, aclnn.ACL_FLOAT)
+    out, out_ptr = acl_device.tensor(torch.full((2 * 2 * t * t,), 7.0), aclnn.ACL_FLOAT, dims=[1, 2, 1, t, t],
+                                     strides=[4 * t * t, 2 * t * t, 2 * t * t, 2 * t, 2])
+    assert acl_device.run(aclnn.aclnnExpSegsumGetWorkspaceSize, aclnn.aclnnExpSegsum, tx, out) == aclnn.ACLNN_SUCCESS
+    storage = acl_device.read(out_ptr, torch.float32)
+    assert torch.equal(storage[0::2].view(1, 2, 1, t, t), attngrad.exp_segsum(x))
+    assert (storage[1::2] == 7.0).all()
+
+
+def test_aclnn_backward_output_inside_an_input(acl_device):
+    # gradInput is the first row of gradOutput's own storage: the kernel result goes through a copy
+    t = 5
+    go_host = torch.randn(1, 1, t, t)
+    go, go_ptr = acl_device.tensor(go_host, aclnn.ACL_FLOAT)
+    gs, _ = acl_device.tensor(torch.ones(1, 1, t, t), aclnn.ACL_FLOAT)
+    gi = aclnn.aclCreateTensor([1, 1, t], aclnn.ACL_FLOAT, [t, t, 1], 0, aclnn.ACL_FORMAT_ND, [t * t], go_ptr)
+    assert acl_device.run(aclnn.aclnnExpSegsumBackwardGetWorkspaceSize, aclnn.aclnnExpSegsumBackward,
+                          go, gs, gi) == aclnn.ACLNN_SUCCESS
+    expected = attngrad.exp_segsum_backward(go_host, torch.ones(1, 1, t, t))
+    assert torch.equal(acl_device.read(go_ptr, torch.float32)[:t].view(1, 1, t), expected)

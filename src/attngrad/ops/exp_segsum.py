@@ -101,10 +101,11 @@ def _as_rank(t: torch.Tensor, rank: int) -> torch.Tensor:
     return t.unsqueeze(0) if t.dim() < rank else t
 
 
-def forward_kernel(x: torch.Tensor) -> torch.Tensor:
-    """Run the forward kernel on validated input; returns a new ``(..., T, T)`` tensor."""
+def forward_kernel(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the forward kernel on validated input: ``(..., T)`` -> ``(..., T, T)``, written into ``out`` when given
+    (a validated view, any strides: the aclnn layer's caller-owned output), else into a new tensor."""
     t = x.shape[-1]
-    out = new_output((*x.shape, t), x.dtype)
+    out = new_output((*x.shape, t), x.dtype) if out is None else out
     if out.numel() == 0:
         return out
     kernels.exp_segsum_forward(kernel_view(_as_rank(x, 4)), _splits(x[..., 0].numel()),
@@ -112,9 +113,12 @@ def forward_kernel(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def backward_kernel(grad_output: torch.Tensor, grad_self: torch.Tensor) -> torch.Tensor:
-    """Run the backward kernel on validated input; returns a new ``(..., T)`` tensor."""
-    grad_input = torch.empty(grad_output.shape[:-1], dtype=grad_output.dtype)
+def backward_kernel(grad_output: torch.Tensor, grad_self: torch.Tensor,
+                    grad_input: torch.Tensor | None = None) -> torch.Tensor:
+    """Run the backward kernel on validated input: ``(..., T, T)`` twice -> ``(..., T)``, written into
+    ``grad_input`` when given (a validated view, any strides), else into a new tensor."""
+    if grad_input is None:
+        grad_input = torch.empty(grad_output.shape[:-1], dtype=grad_output.dtype)
     if grad_input.numel() == 0:
         return grad_input
     go, gs = (kernel_view(_as_rank(unit_stride_rows(t), 5)) for t in (grad_output, grad_self))
