@@ -14,15 +14,14 @@ import numpy as np
 import torch
 
 
+_KERNEL_DTYPES = {torch.bfloat16: torch.uint16, torch.float16: torch.int16, torch.bool: torch.uint8}
+
+
 def kernel_view(t: torch.Tensor) -> np.ndarray:
+    """t's data as a numpy array of the kernels' element type (one view, no copy: it runs on every call)."""
     t = t.detach()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(np.uint16)
-    if t.dtype == torch.float16:
-        return t.view(torch.int16).numpy()
-    if t.dtype == torch.bool:
-        return t.view(torch.uint8).numpy()
-    return t.numpy()
+    kernel_dtype = _KERNEL_DTYPES.get(t.dtype)
+    return (t if kernel_dtype is None else t.view(kernel_dtype)).numpy()
 
 
 def unit_stride_rows(t: torch.Tensor) -> torch.Tensor:

@@ -108,7 +108,7 @@ def forward_kernel(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     out = new_output((*x.shape, t), x.dtype) if out is None else out
     if out.numel() == 0:
         return out
-    kernels.exp_segsum_forward(kernel_view(_as_rank(x, 4)), _splits(x[..., 0].numel()),
+    kernels.exp_segsum_forward(kernel_view(_as_rank(x, 4)), _splits(math.prod(x.shape[:-1])),
                                kernel_view(_as_rank(out, 5)))
     return out
 
@@ -122,7 +122,7 @@ def backward_kernel(grad_output: torch.Tensor, grad_self: torch.Tensor,
     if grad_input.numel() == 0:
         return grad_input
     go, gs = (kernel_view(_as_rank(unit_stride_rows(t), 5)) for t in (grad_output, grad_self))
-    kernels.exp_segsum_backward(go, gs, _splits(grad_output[..., 0, 0].numel()), kernel_view(_as_rank(grad_input, 4)))
+    kernels.exp_segsum_backward(go, gs, _splits(math.prod(grad_output.shape[:-2])), kernel_view(_as_rank(grad_input, 4)))
     return grad_input
 
 
