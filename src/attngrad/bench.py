@@ -208,7 +208,8 @@ def _plot(results: list[BenchResult], rooflines: dict[str, float], out: Path) ->
         ax_t.invert_yaxis()
         ax_t.set_xlabel("time (ms, best of N; lower is better)")
         ax_f.axvline(1.0, color="black", linewidth=0.8)
-        ax_f.set_xlabel(f"fraction of the roofline ({rows[0].case.roofline}; 1 = roofline)")
+        rooflines_used = ", ".join(dict.fromkeys(f"{str(r.case.dtype)[6:]}: {r.case.roofline}" for r in rows))
+        ax_f.set_xlabel(f"fraction of the case's roofline\n({rooflines_used}; 1 = roofline)", fontsize=8)
         fig.legend(*ax_t.get_legend_handles_labels(), loc="lower center", ncol=2, fontsize=7, frameon=False)
         fig.suptitle(f"{op} ({platform.machine()}, {os.cpu_count()} CPUs)")
         fig.tight_layout(rect=(0, 0.06 + 0.02 * len(impls), 1, 1))
@@ -246,7 +247,8 @@ def markdown_summary(report: dict) -> str:
                   for x in sc["rows"]]
         from .benchmarks.bench_scaling import fit_text
 
-        lines += [f"\n{impl}: {fit_text(fit)}. {fit['stopped']}" for impl, fit in sc["fits"].items()]
+        lines += [f"\n{impl}: {fit_text(fit)}." + (f" {fit['stopped']}." if fit["stopped"] else "")
+                  for impl, fit in sc["fits"].items()]
     return "\n".join(lines) + "\n"
 
 
