@@ -23,9 +23,9 @@ import pytest
 import torch
 from numba import njit
 
-from attngrad.kernels.numeric import (HAS_AVX512_BF16, STREAM_MIN_BYTES, _f16_to_f32, _f32_to_f16, copy_row,
-                                      exp2_32, exp2_nonpositive, exp32, fmax_any_nan, fmaximum, narrow, narrow_ftz, prefetch,
-                                      stream_fence, streams, widen)
+from attngrad.kernels.numeric import (FASTMATH, HAS_AVX512_BF16, STREAM_MIN_BYTES, _f16_to_f32, _f32_to_f16, copy_row,
+                                      exp2_32, exp2_nonpositive, exp32, fmax_any_nan, fmaximum, narrow, narrow_ftz,
+                                      prefetch, stream_fence, streams, widen)
 from attngrad.kernels.tensor_view import kernel_view
 
 LOW_DTYPES = [torch.float16, torch.bfloat16]
@@ -69,7 +69,7 @@ def _exp_all(v):
     return out
 
 
-@njit
+@njit(fastmath=FASTMATH)  # as the kernels compile it (FMA contraction)
 def _exp2_all(v):
     out = np.empty_like(v)
     for i in range(v.size):
@@ -77,7 +77,7 @@ def _exp2_all(v):
     return out
 
 
-@njit
+@njit(fastmath=FASTMATH)
 def _exp2_nonpositive_all(v, like):
     out = np.empty_like(v)
     for i in range(v.size):

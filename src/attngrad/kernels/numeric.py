@@ -477,7 +477,7 @@ def _exp2_nonpositive4(t):
     return _poly4(t - n) * _pow2(n)
 
 
-@overload(exp2_nonpositive, inline="always")
+@overload(exp2_nonpositive, jit_options={"fastmath": FASTMATH})
 def _exp2_nonpositive_impl(t, like):
     """:func:`exp2_32` for a softmax's ``exp(z - max)`` in base 2 (``t <= 0``, so without the upper clamp), with
     the degree-5 polynomial for float32 results and the degree-4 one (:func:`_poly4`) for bfloat16 / float16

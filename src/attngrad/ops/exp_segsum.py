@@ -122,7 +122,8 @@ def backward_kernel(grad_output: torch.Tensor, grad_self: torch.Tensor,
     if grad_input.numel() == 0:
         return grad_input
     go, gs = (kernel_view(_as_rank(unit_stride_rows(t), 5)) for t in (grad_output, grad_self))
-    kernels.exp_segsum_backward(go, gs, _splits(math.prod(grad_output.shape[:-2])), kernel_view(_as_rank(grad_input, 4)))
+    kernels.exp_segsum_backward(go, gs, _splits(math.prod(grad_output.shape[:-2])),
+                                kernel_view(_as_rank(grad_input, 4)))
     return grad_input
 
 
