@@ -464,17 +464,12 @@ def exp2_nonpositive(t, like):  # pragma: no cover - compiled through the overlo
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _exp2_nonpositive5(t):
+def _exp2_nonpositive(t, half):
+    """2**t for t <= 0: :func:`_poly4` when ``half`` (a compile-time constant), else :func:`_poly5`."""
     t = _MIN_POW if t < _MIN_POW else t
     n = _rint(t)
-    return _poly5(t - n) * _pow2(n)
-
-
-@njit(inline="always", fastmath=FASTMATH)
-def _exp2_nonpositive4(t):
-    t = _MIN_POW if t < _MIN_POW else t
-    n = _rint(t)
-    return _poly4(t - n) * _pow2(n)
+    f = t - n
+    return (_poly4(f) if half else _poly5(f)) * _pow2(n)
 
 
 @overload(exp2_nonpositive, jit_options={"fastmath": FASTMATH})
@@ -482,9 +477,8 @@ def _exp2_nonpositive_impl(t, like):
     """:func:`exp2_32` for a softmax's ``exp(z - max)`` in base 2 (``t <= 0``, so without the upper clamp), with
     the degree-5 polynomial for float32 results and the degree-4 one (:func:`_poly4`) for bfloat16 / float16
     results, which round the value to 8 or 11 bits anyway. 2**(<= -127) = 0 exactly, nan stays nan."""
-    if like.dtype == types.float32:
-        return lambda t, like: _exp2_nonpositive5(t)
-    return lambda t, like: _exp2_nonpositive4(t)
+    half = like.dtype != types.float32
+    return lambda t, like: _exp2_nonpositive(t, half)
 
 
 @njit(inline="always", fastmath=FASTMATH)
