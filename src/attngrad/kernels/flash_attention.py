@@ -56,7 +56,7 @@ from numba import njit, prange, set_parallel_chunksize
 from .flash_attention_plan import MASKED_LOGIT, AttentionPlan
 from .gemm import BRGEMM_DTYPES, NO_TRANS, TRANS, brgemm, brgemm_release, gemm
 from .numeric import (FASTMATH, LOG2E, array_at, exp2_32, exp32, fmaximum, narrow, narrow_ftz,
-                      prefer_512_bit_vectors, widen)
+                      prefer_512_bit_vectors, row_address, widen)
 from .tensor_view import kernel_view, new_output
 
 _NEG = np.float32(MASKED_LOGIT)
@@ -192,16 +192,10 @@ def _keep_factors(drop, e0, cols, inv_keep, f):
 
 
 @njit(inline="always")
-def _ptr(a, i0, i1, i2):
-    """Address of a[i0, i1, i2, 0] of a 4-D array (any strides)."""
-    return a.ctypes.data + i0 * a.strides[0] + i1 * a.strides[1] + i2 * a.strides[2]
-
-
-@njit(inline="always")
 def _row(a, i0, i1, i2):
     """a[i0, i1, i2, :] as a C-contiguous 1-D array (a's last dim is unit-stride, :func:`_view`): loops over it
     vectorise, and compile the same (same bits), whatever a's other strides (numba's layout 'A' ones do not)."""
-    return array_at(_ptr(a, i0, i1, i2), a.shape[3], a.dtype)
+    return array_at(row_address(a, i0, i1, i2), a.shape[3], a.dtype)
 
 
 @njit(inline="always")
@@ -326,7 +320,7 @@ def _rows_operand(x, b, n, j0, packed):
     """(address, ldb) of the B operand ``x[b, n, j0:j0+cols]`` (``[cols, D]``): float32 read in place, bfloat16
     from its VNNI packing at address ``packed`` (:func:`_pack_rows`, row stride D)."""
     if not _pairs(x):
-        return _ptr(x, b, n, j0), _ld(x)
+        return row_address(x, b, n, j0), _ld(x)
     return packed, x.shape[3]
 
 
@@ -391,18 +385,18 @@ def _forward_block(q, k, v, kt, vv, packed, b, n, i0, rows, mask, pse, prefix, d
             continue
         on_brgemm = packed and (block % 2 == 0 or not _pairs(q))
         if on_brgemm:
-            brgemm(q, rows, cols, D, _ld(q), block, BK, False, _ptr(q, b, n, i0), _ptr(kt, b, n2, j0 // BK),
+            brgemm(q, rows, cols, D, _ld(q), block, BK, False, row_address(q, b, n, i0), row_address(kt, b, n2, j0 // BK),
                    s.ctypes.data)
         else:
-            gemm(q, NO_TRANS, TRANS, rows, cols, D, 1.0, _ptr(q, b, n, i0), _ld(q), _ptr(k, b, n2, j0), _ld(k),
+            gemm(q, NO_TRANS, TRANS, rows, cols, D, 1.0, row_address(q, b, n, i0), _ld(q), row_address(k, b, n2, j0), _ld(k),
                  0.0, s.ctypes.data, BK)
         general = ip[_HAS_MASK] != 0 or kind != _INSIDE
         _forward_tile(s, p, acc, m, l, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp)
         if on_brgemm:
-            v_address, ldv = _rows_operand(v, b, n2, j0, _ptr(vv, b, n2, j0 // BK))
+            v_address, ldv = _rows_operand(v, b, n2, j0, row_address(vv, b, n2, j0 // BK))
             brgemm(q, rows, Dv, cols, BK, ldv, Dv, not first, p.ctypes.data, v_address, acc.ctypes.data)
         else:
-            gemm(q, NO_TRANS, NO_TRANS, rows, Dv, cols, 1.0, p.ctypes.data, BK, _ptr(v, b, n2, j0), _ld(v),
+            gemm(q, NO_TRANS, NO_TRANS, rows, Dv, cols, 1.0, p.ctypes.data, BK, row_address(v, b, n2, j0), _ld(v),
                  0.0 if first else 1.0, acc.ctypes.data, Dv)
         first = False
     return skipped
@@ -531,14 +525,14 @@ def _pack_key_block(k, v, b, n2, j0, cols, packs):
 def _score_gemms(q, k, v, dy, b, n, n2, i0, rows, j0, cols, on_brgemm, packs, s, dp):
     """s = Q K^T and dp = dY V^T of the tile (fp32, row stride BK)."""
     BK = s.shape[1]
-    qp, dyp = _ptr(q, b, n, i0), _ptr(dy, b, n, i0)
+    qp, dyp = row_address(q, b, n, i0), row_address(dy, b, n, i0)
     if on_brgemm:
         brgemm(q, rows, cols, q.shape[3], _ld(q), cols, BK, False, qp, packs[0].ctypes.data, s.ctypes.data)
         brgemm(q, rows, cols, v.shape[3], _ld(dy), cols, BK, False, dyp, packs[1].ctypes.data, dp.ctypes.data)
     else:
-        gemm(q, NO_TRANS, TRANS, rows, cols, q.shape[3], 1.0, qp, _ld(q), _ptr(k, b, n2, j0), _ld(k), 0.0,
+        gemm(q, NO_TRANS, TRANS, rows, cols, q.shape[3], 1.0, qp, _ld(q), row_address(k, b, n2, j0), _ld(k), 0.0,
              s.ctypes.data, BK)
-        gemm(q, NO_TRANS, TRANS, rows, cols, v.shape[3], 1.0, dyp, _ld(dy), _ptr(v, b, n2, j0), _ld(v), 0.0,
+        gemm(q, NO_TRANS, TRANS, rows, cols, v.shape[3], 1.0, dyp, _ld(dy), row_address(v, b, n2, j0), _ld(v), 0.0,
              dp.ctypes.data, BK)
 
 
@@ -553,17 +547,17 @@ def _gradient_gemms(q, k, dy, qt, dyt, b, n, n2, i0, rows, j0, cols, on_brgemm, 
     if on_brgemm:
         pt_address, ldp = _tile_operand(pt, rows, cols, packs[3])
         ds_address, lds = _tile_operand(dst, rows, cols, packs[4])
-        brgemm(q, Dv, cols, rows, _ld(dyt), ldp, BK, True, _ptr(dyt, b, n, 0) + i0 * dyt.itemsize, pt_address,
+        brgemm(q, Dv, cols, rows, _ld(dyt), ldp, BK, True, row_address(dyt, b, n, 0) + i0 * dyt.itemsize, pt_address,
                dvt.ctypes.data)
-        brgemm(q, D, cols, rows, _ld(qt), lds, BK, True, _ptr(qt, b, n, 0) + i0 * qt.itemsize, ds_address,
+        brgemm(q, D, cols, rows, _ld(qt), lds, BK, True, row_address(qt, b, n, 0) + i0 * qt.itemsize, ds_address,
                dkt.ctypes.data)
         k_address, ldk = _rows_operand(k, b, n2, j0, packs[2].ctypes.data)
         brgemm(q, rows, D, cols, BK, ldk, D, True, dst.ctypes.data, k_address, dq_ptr)
     else:
-        qp, dyp = _ptr(q, b, n, i0), _ptr(dy, b, n, i0)
+        qp, dyp = row_address(q, b, n, i0), row_address(dy, b, n, i0)
         gemm(q, TRANS, NO_TRANS, Dv, cols, rows, 1.0, dyp, _ld(dy), pt.ctypes.data, BK, 1.0, dvt.ctypes.data, BK)
         gemm(q, TRANS, NO_TRANS, D, cols, rows, 1.0, qp, _ld(q), dst.ctypes.data, BK, 1.0, dkt.ctypes.data, BK)
-        gemm(q, NO_TRANS, NO_TRANS, rows, D, cols, 1.0, dst.ctypes.data, BK, _ptr(k, b, n2, j0), _ld(k), 1.0,
+        gemm(q, NO_TRANS, NO_TRANS, rows, D, cols, 1.0, dst.ctypes.data, BK, row_address(k, b, n2, j0), _ld(k), 1.0,
              dq_ptr, D)
 
 

@@ -118,6 +118,12 @@ def array_at(address, n, dtype):
     return carray(_void_pointer(address), n, dtype)
 
 
+@njit(inline="always")
+def row_address(a, i0, i1, i2):
+    """Address of ``a[i0, i1, i2, 0]`` of a 4-D array (any strides)."""
+    return a.ctypes.data + i0 * a.strides[0] + i1 * a.strides[1] + i2 * a.strides[2]
+
+
 STREAM_MIN_BYTES = 16 << 20  # outputs from this size on are written by non-temporal stores (copy_row)
 _STREAM_BLOCK = 64  # bytes per non-temporal store: one cache line, one AVX-512 register
 

@@ -29,7 +29,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from .numeric import (FASTMATH, LOG2E, copy_row, exp2_nonpositive, fmax_any_nan, narrow, prefer_512_bit_vectors,
-                      prefetch_bytes, stream_fence, widen)
+                      prefetch_bytes, row_address, stream_fence, widen)
 
 MASK_VALUE = np.float32(-10000.0)  # CANN fills masked logits with -10000, not -inf
 _ROWS_PER_TASK = 64
@@ -122,10 +122,9 @@ def _prefetch_row(x, mask, r, last):
     """Start loading row r (when r < last) of x and of the mask: the pipelined loop reads row r - 1 meanwhile."""
     if r < last and x.strides[3] == x.itemsize:
         b, n, s, bm, nm = _row(r, x.shape[1], x.shape[2], mask)
-        S2 = x.shape[3]
-        prefetch_bytes(x.ctypes.data + b * x.strides[0] + n * x.strides[1] + s * x.strides[2], S2 * x.itemsize)
+        prefetch_bytes(row_address(x, b, n, s), x.shape[3] * x.itemsize)
         if mask.strides[3] == 1:
-            prefetch_bytes(mask.ctypes.data + bm * mask.strides[0] + nm * mask.strides[1] + s * mask.strides[2], S2)
+            prefetch_bytes(row_address(mask, bm, nm, s), mask.shape[3])
 
 
 @njit(inline="always", fastmath=FASTMATH)
