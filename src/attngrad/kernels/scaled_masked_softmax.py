@@ -141,7 +141,8 @@ def _round_row(bufs, k, inv, out, y):
 @njit(inline="always", fastmath=FASTMATH)
 def _pipelined_row(x, mask, row_nxt, scale, round_scaled, bufs, cur, nxt, prv, top, inv, out, y):
     """The three pipeline stages in one loop: out = bufs[prv] * inv rounded, bufs[nxt] = logits of row_nxt,
-    bufs[cur] = exp(bufs[cur] - top). Returns the sum of the exps and the max of the logits."""
+    bufs[cur] = exp(bufs[cur] - top). Returns the sum of the exps and the max of the logits. (The index is
+    unsigned, so numba emits no negative-index wraparound in the loop.)"""
     total = np.float32(0.0)
     top_next = np.float32(-np.inf)
     for j in range(np.uint64(bufs.shape[1])):
