@@ -385,11 +385,11 @@ def _forward_block(q, k, v, kt, vv, packed, b, n, i0, rows, mask, pse, prefix, d
             continue
         on_brgemm = packed and (block % 2 == 0 or not _pairs(q))
         if on_brgemm:
-            brgemm(q, rows, cols, D, _ld(q), block, BK, False, row_address(q, b, n, i0), row_address(kt, b, n2, j0 // BK),
-                   s.ctypes.data)
+            brgemm(q, rows, cols, D, _ld(q), block, BK, False, row_address(q, b, n, i0),
+                   row_address(kt, b, n2, j0 // BK), s.ctypes.data)
         else:
-            gemm(q, NO_TRANS, TRANS, rows, cols, D, 1.0, row_address(q, b, n, i0), _ld(q), row_address(k, b, n2, j0), _ld(k),
-                 0.0, s.ctypes.data, BK)
+            gemm(q, NO_TRANS, TRANS, rows, cols, D, 1.0, row_address(q, b, n, i0), _ld(q), row_address(k, b, n2, j0),
+                 _ld(k), 0.0, s.ctypes.data, BK)
         general = ip[_HAS_MASK] != 0 or kind != _INSIDE
         _forward_tile(s, p, acc, m, l, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp)
         if on_brgemm:
