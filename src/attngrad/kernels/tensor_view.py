@@ -18,8 +18,12 @@ _KERNEL_DTYPES = {torch.bfloat16: torch.uint16, torch.float16: torch.int16, torc
 
 
 def kernel_view(t: torch.Tensor) -> np.ndarray:
-    """t's data as a numpy array of the kernels' element type (one view, no copy: it runs on every call)."""
-    t = t.detach()
+    """t's data as a numpy array of the kernels' element type (one view, no copy: it runs on every call).
+
+    Detaches only a tensor that requires grad (``numpy()`` refuses those): each torch op costs a few microseconds
+    when the call starts with cold caches, as the memory-bound benchmarks' calls do."""
+    if t.requires_grad:
+        t = t.detach()
     kernel_dtype = _KERNEL_DTYPES.get(t.dtype)
     return (t if kernel_dtype is None else t.view(kernel_dtype)).numpy()
 
