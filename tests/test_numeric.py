@@ -23,9 +23,10 @@ import pytest
 import torch
 from numba import njit
 
-from attngrad.kernels.numeric import (FASTMATH, HAS_AVX512_BF16, STREAM_MIN_BYTES, _f16_to_f32, _f32_to_f16, copy_row,
-                                      exp2_32, exp2_nonpositive, exp32, fmax_any_nan, fmaximum, narrow, narrow_ftz,
-                                      prefetch, stream_fence, streams, widen)
+from attngrad.kernels.numeric import (FASTMATH, HAS_AVX512_BF16, NO_POSITIVE, STREAM_MIN_BYTES, _f16_to_f32,
+                                      _f32_to_f16, aligned_empty, copy_row, exp2_32, exp2_nonpositive, exp32,
+                                      fmax_any_nan, fmaximum, narrow, narrow_ftz, prefetch, smallest_positive,
+                                      stream_fence, streams, track_smallest_positive, widen)
 from attngrad.kernels.tensor_view import kernel_view
 
 LOW_DTYPES = [torch.float16, torch.bfloat16]
@@ -297,3 +298,43 @@ def test_copy_row_writes_exactly_the_requested_bytes(stream):
 
 def test_streams_only_outputs_larger_than_the_threshold():
     assert streams(STREAM_MIN_BYTES) and not streams(STREAM_MIN_BYTES - 1)
+
+
+@njit(fastmath=FASTMATH)
+def _smallest_positive_of(v):
+    acc = NO_POSITIVE
+    for i in range(v.size):
+        acc = track_smallest_positive(acc, v[i])
+    return smallest_positive(acc)
+
+
+def test_smallest_positive_skips_zeros_negatives_and_nans():
+    rng = np.random.default_rng(3)
+    v = (rng.standard_normal(1003) * 1e-30).astype(np.float32)  # odd size: the vector loop's remainder too
+    v[::5] = 0.0
+    v[7], v[11], v[13] = np.nan, -np.inf, np.inf
+    v[600] = np.float32(1e-44)  # a subnormal is the smallest
+    positive = v[(v > 0) & np.isfinite(v)]
+    assert _smallest_positive_of(v) == np.float32(1e-44)
+    v[600] = 1.0
+    assert _smallest_positive_of(v) == positive[positive != np.float32(1e-44)].min()
+    assert _smallest_positive_of(np.zeros(9, np.float32)) == 0.0
+    for no_positive in ([0.0, -2.0, -0.0], [-1.0, -np.inf], [np.nan, 0.0], [-np.nan]):
+        assert not _smallest_positive_of(np.array(no_positive, np.float32)) > 0
+    assert _smallest_positive_of(np.array([np.nan, np.float32(2.0**-149), 3.0], np.float32)) == np.float32(2.0**-149)
+
+
+@njit
+def _aligned(shape, dtype):
+    return aligned_empty(shape, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.uint16, np.int16, np.uint8])
+@pytest.mark.parametrize("shape", [(1,), (301,), (3, 1031), (2, 3, 5)])
+def test_aligned_empty_starts_on_a_cache_line(dtype, shape):
+    for _ in range(5):
+        a = _aligned(shape, dtype)
+        assert a.shape == shape and a.dtype == dtype and a.flags.c_contiguous
+        assert a.ctypes.data % 64 == 0
+        a[...] = 7  # the whole array is writable memory of its own
+        assert (a == 7).all()

@@ -81,3 +81,24 @@ def test_streamed_outputs_equal_cached_ones(dtype, layout):
     bool_mask = torch.from_numpy(mask).bool()
     assert_close(y1, scaled_masked_softmax_reference(x, bool_mask, 0.5), dtype, use_mere=True)
     assert_close(dx1, scaled_masked_softmax_backward_reference(dy, y1, bool_mask, 0.5), dtype, use_mere=True)
+
+
+@pytest.mark.parametrize("s1", [3, 67])  # first/last rows of a block and pipelined rows
+def test_bfloat16_rows_with_subnormal_outputs_round_exactly(s1):
+    # A bf16 row is rounded by the CPU's conversion (which flushes float32 subnormals to zero) only when none of
+    # its outputs is subnormal: outputs near 1e-39 must come out as the bf16 subnormals nearest the golden.
+    g = torch.Generator().manual_seed(s1)
+    x = torch.randn(1, 2, s1, 131, generator=g).clamp(-3.0, 2.0)
+    tiny_rows = torch.arange(s1) % 2 == 0
+    x[:, :, tiny_rows, :8] = 3.0  # the max, 8 times: a row sum above 8
+    x[:, :, tiny_rows, 10:14] = torch.tensor([-83.0, -83.5, -84.0, -84.5])  # exp(z - 3) normal, / sum subnormal
+    x = x.to(torch.bfloat16)
+    mask = torch.zeros(1, 1, s1, 131, dtype=torch.bool)
+    mask[..., 100] = True
+    y = scaled_masked_softmax(x, mask, 1.0)
+    golden = scaled_masked_softmax_reference(x, mask, 1.0)
+    subnormal = (golden > 0) & (golden < 2.0**-126)
+    assert subnormal.sum() == 4 * 2 * ((s1 + 1) // 2)
+    assert (y[subnormal] > 0).all()
+    assert ((y.double() - golden).abs()[subnormal] <= 2.0**-133).all()  # within one bf16 subnormal step
+    assert_close(y, golden, torch.bfloat16, use_mere=True)

@@ -119,6 +119,19 @@ def array_at(address, n, dtype):
 
 
 @njit(inline="always")
+def aligned_empty(shape, dtype):
+    """``np.empty(shape, dtype)`` whose data starts on a 64-byte boundary (a cache line, one AVX-512 register).
+    numba's ``np.empty`` returns addresses 32 bytes past one, so that every 64-byte load or store of a scratch
+    row spans two cache lines."""
+    n = 1
+    for extent in shape:
+        n *= extent
+    raw = np.empty(n + 64, dtype)
+    skip = ((-raw.ctypes.data) & 63) // raw.itemsize
+    return raw[skip:skip + n].reshape(shape)
+
+
+@njit(inline="always")
 def row_address(a, i0, i1, i2):
     """Address of ``a[i0, i1, i2, 0]`` of a 4-D array (any strides)."""
     return a.ctypes.data + i0 * a.strides[0] + i1 * a.strides[1] + i2 * a.strides[2]
@@ -390,7 +403,9 @@ def _narrow_impl(v, like):
 def narrow_ftz(v, like):  # pragma: no cover
     """float32 -> the element type of ``like`` for kernel-internal operands (P, dS before their GEMMs): as
     ``narrow``, except that bfloat16 uses the CPU's conversion instruction where it has one (AVX512-BF16),
-    which flushes values below 2**-126 (about 1.2e-38) to zero. Results written to the user keep ``narrow``."""
+    which flushes values below 2**-126 (about 1.2e-38) to zero. It gives ``narrow``'s bits for every other
+    value (zeros, normal numbers, inf, nan), so results written to the user may use it only where none of
+    the values is a float32 subnormal (:func:`smallest_positive`)."""
     raise NotImplementedError
 
 
@@ -399,6 +414,33 @@ def _narrow_ftz_impl(v, like):
     if like.dtype == types.uint16 and HAS_AVX512_BF16:
         return lambda v, like: _f32_to_bf16_hw(np.float32(v))
     return lambda v, like: narrow(v, like)
+
+
+NO_POSITIVE = np.uint32(0xFFFFFFFF)  # start of a :func:`track_smallest_positive` reduction
+
+
+@intrinsic
+def track_smallest_positive(typingctx, acc, v):
+    """Running minimum of the positive float32 values v, kept as ``bits(v) - 1`` in a uint32 (start from
+    ``NO_POSITIVE``): one ``vpsubd`` and one ``vpminud`` per vector, a reduction LLVM vectorises. A zero wraps
+    to ``NO_POSITIVE`` and so is skipped; negative values and nans have larger bit patterns than any positive
+    number, so they are kept only while no positive value has been seen. :func:`smallest_positive` reads it."""
+    if acc != types.uint32 or v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        umin = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [i32, i32]), "llvm.umin.i32")
+        return builder.call(umin, [args[0], builder.sub(builder.bitcast(args[1], i32), ir.Constant(i32, 1))])
+
+    return types.uint32(acc, v), codegen
+
+
+@njit(inline="always")
+def smallest_positive(acc):
+    """The smallest positive value seen by :func:`track_smallest_positive`; without one, 0.0 if every value was
+    zero, else one of the negative values (-0.0 included) or nans: never a positive number."""
+    return bits_f32(np.uint64(acc) + np.uint64(1))
 
 
 # Cephes expf: exp(x) = 2^n * exp(r), n = rint(x / ln2), r = x - n*ln2 split in two parts (Cody-Waite)
