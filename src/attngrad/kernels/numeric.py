@@ -409,9 +409,14 @@ def narrow_ftz(v, like):  # pragma: no cover
     raise NotImplementedError
 
 
+def _flushes(like) -> bool:
+    """Whether ``narrow_ftz(v, like)`` flushes subnormals (bfloat16 with AVX512-BF16): decided at compile time."""
+    return like.dtype == types.uint16 and HAS_AVX512_BF16
+
+
 @overload(narrow_ftz)
 def _narrow_ftz_impl(v, like):
-    if like.dtype == types.uint16 and HAS_AVX512_BF16:
+    if _flushes(like):
         return lambda v, like: _f32_to_bf16_hw(np.float32(v))
     return lambda v, like: narrow(v, like)
 
@@ -441,6 +446,19 @@ def smallest_positive(acc):
     """The smallest positive value seen by :func:`track_smallest_positive`; without one, 0.0 if every value was
     zero, else one of the negative values (-0.0 included) or nans: never a positive number."""
     return bits_f32(np.uint64(acc) + np.uint64(1))
+
+
+def track_flushable(acc, v, like):  # pragma: no cover - compiled through the overload below
+    """:func:`track_smallest_positive` where ``narrow_ftz(v, like)`` flushes subnormals, else ``acc`` unchanged
+    (no work): every other ``narrow_ftz`` is exact for any value."""
+    raise NotImplementedError
+
+
+@overload(track_flushable, inline="always")
+def _track_flushable_impl(acc, v, like):
+    if _flushes(like):
+        return lambda acc, v, like: track_smallest_positive(acc, v)
+    return lambda acc, v, like: acc
 
 
 # Cephes expf: exp(x) = 2^n * exp(r), n = rint(x / ln2), r = x - n*ln2 split in two parts (Cody-Waite)

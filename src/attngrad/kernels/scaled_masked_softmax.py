@@ -39,9 +39,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from .numeric import (FASTMATH, HAS_AVX512_BF16, LOG2E, NO_POSITIVE, aligned_empty, copy_row, exp2_nonpositive,
-                      fmax_any_nan, narrow, narrow_ftz, prefer_512_bit_vectors, prefetch_bytes, row_address,
-                      smallest_positive, stream_fence, track_smallest_positive, widen)
+from .numeric import (FASTMATH, LOG2E, NO_POSITIVE, aligned_empty, copy_row, exp2_nonpositive, fmax_any_nan, narrow,
+                      narrow_ftz, prefer_512_bit_vectors, prefetch_bytes, row_address, smallest_positive, stream_fence,
+                      track_flushable, widen)
 
 MASK_VALUE = np.float32(-10000.0)  # CANN fills masked logits with -10000, not -inf
 _ROWS_PER_TASK = 64
@@ -120,38 +120,26 @@ def _load_row(x, mask, row, scale, round_scaled, bufs, k):
     return top
 
 
-def _track_tiny(tiny, e, y):  # pragma: no cover - compiled through the overload below
-    """:func:`.numeric.track_smallest_positive` where y's rows are rounded by ``narrow_ftz`` (bfloat16 on a CPU
-    with AVX512-BF16), else nothing: every other narrowing is exact for any value."""
-    raise NotImplementedError
-
-
-@overload(_track_tiny, inline="always")
-def _track_tiny_impl(tiny, e, y):
-    if y.dtype == types.uint16 and HAS_AVX512_BF16:
-        return lambda tiny, e, y: track_smallest_positive(tiny, e)
-    return lambda tiny, e, y: tiny
-
-
 @njit(inline="always")
 def _all_normal(tiny, inv):
-    """Whether every nonzero e * inv of a row is a normal float32 (or inf), given ``tiny`` (:func:`_track_tiny`) of
-    its e >= 0: then ``narrow_ftz`` rounds the row exactly as ``narrow`` (a product is monotone in e, so the
-    smallest positive e gives the smallest nonzero product). Nans round alike both ways."""
+    """Whether every nonzero e * inv of a row is a normal float32 (or inf), given ``tiny``
+    (:func:`.numeric.track_flushable`) of its e >= 0: then ``narrow_ftz`` rounds the row exactly as ``narrow`` (a
+    product is monotone in e, so the smallest positive e gives the smallest nonzero product). Nans round alike both
+    ways."""
     return smallest_positive(tiny) * inv >= _MIN_NORMAL or tiny == NO_POSITIVE
 
 
 @njit(inline="always", fastmath=FASTMATH)
 def _exp_row(bufs, k, top, y):
     """bufs[k] = exp(bufs[k] - top) in place (as precise as y's element type needs); returns the sum and the
-    :func:`_track_tiny` of the exps."""
+    :func:`.numeric.track_flushable` of the exps."""
     total = np.float32(0.0)
     tiny = NO_POSITIVE
     for j in range(bufs.shape[1]):
         e = exp2_nonpositive((bufs[k, j] - top) * LOG2E, y)
         bufs[k, j] = e
         total += e
-        tiny = _track_tiny(tiny, e, y)
+        tiny = track_flushable(tiny, e, y)
     return total, tiny
 
 
@@ -203,8 +191,8 @@ def _pipelined_row(x, mask, row_nxt, scale, round_scaled, bufs, cur, nxt, prv, t
 @njit(inline="always", fastmath=FASTMATH)
 def _pipelined_loop(rounding, x, mask, row_nxt, scale, round_scaled, bufs, cur, nxt, prv, top, inv, out, y):
     """The three pipeline stages in one loop: out = bufs[prv] * inv rounded by ``rounding``, bufs[nxt] = logits
-    of row_nxt, bufs[cur] = exp(bufs[cur] - top). Returns the sum and :func:`_track_tiny` of the exps and the
-    max of the logits. (The index is unsigned, so numba emits no negative-index wraparound in the loop.)"""
+    of row_nxt, bufs[cur] = exp(bufs[cur] - top). Returns the sum and :func:`.numeric.track_flushable` of the exps
+    and the max of the logits. (The index is unsigned, so numba emits no negative-index wraparound in the loop.)"""
     total = np.float32(0.0)
     tiny = NO_POSITIVE
     top_next = np.float32(-np.inf)
@@ -216,7 +204,7 @@ def _pipelined_loop(rounding, x, mask, row_nxt, scale, round_scaled, bufs, cur, 
         e = exp2_nonpositive((bufs[cur, j] - top) * LOG2E, y)
         bufs[cur, j] = e
         total += e
-        tiny = _track_tiny(tiny, e, y)
+        tiny = track_flushable(tiny, e, y)
     return total, top_next, tiny
 
 
