@@ -25,7 +25,7 @@ from numba import njit
 
 from attngrad.kernels.numeric import (FASTMATH, HAS_AVX512_BF16, NO_POSITIVE, STREAM_MIN_BYTES, _f16_to_f32,
                                       _f32_to_f16, aligned_empty, copy_row, exp2_32, exp2_nonpositive, exp32,
-                                      fmax_any_nan, fmaximum, narrow, narrow_ftz, prefetch, smallest_positive,
+                                      exp_for, fmax_any_nan, fmaximum, narrow, narrow_ftz, prefetch, smallest_positive,
                                       stream_fence, streams, track_smallest_positive, widen)
 from attngrad.kernels.tensor_view import kernel_view
 
@@ -83,6 +83,14 @@ def _exp2_nonpositive_all(v, like):
     out = np.empty_like(v)
     for i in range(v.size):
         out[i] = exp2_nonpositive(v[i], like)
+    return out
+
+
+@njit(fastmath=FASTMATH)
+def _exp_for_all(v, like):
+    out = np.empty_like(v)
+    for i in range(v.size):
+        out[i] = exp_for(v[i], like)
     return out
 
 
@@ -230,6 +238,34 @@ def test_exp2_nonpositive_special_values(dtype):
     assert got[2] == 0.5 and got[3] == 0.125
     assert (got[4:8] == 0.0).all() and got[9] == 0.0  # masked logits give exactly 0
     assert got[8].isnan()
+
+
+EXP_ARGUMENTS = torch.cat([torch.empty(1 << 20).uniform_(-87.3, 88.7, generator=torch.Generator().manual_seed(7)),
+                           torch.linspace(-1, 1, 20001)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_exp_for_is_as_precise_as_the_result_dtype_needs(dtype):
+    got = torch.from_numpy(_exp_for_all(EXP_ARGUMENTS.numpy(), kernel_view(torch.empty(1, dtype=dtype))))
+    want = EXP_ARGUMENTS.double().exp()
+    rel = ((got.double() - want) / want).abs()
+    if dtype == torch.float32:  # exp32: no rounding of the argument
+        assert rel.max().item() < 5e-7
+        return
+    below = EXP_ARGUMENTS < 88.37  # exp2_32's polynomial range ends at 2**127.5
+    bound = 1.23 * EXP_ARGUMENTS.double().abs() * 2**-24 + 2e-7  # rounding x * log2 e, exp2_32's polynomial
+    assert (rel[below] <= bound[below]).all()
+    assert rel.max().item() < 6e-5  # above: still 1/36 of half a bfloat16 ulp
+    assert rel[below].max().item() > 2e-6  # the rounding of x * log2 e shows at large |x|: this is not exp32
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_exp_for_special_values(dtype):
+    x = torch.tensor([math.nan, math.inf, -math.inf, 0.0, -0.0, 89.0, -88.0, -1e4])
+    got = torch.from_numpy(_exp_for_all(x.numpy(), kernel_view(torch.empty(1, dtype=dtype))))
+    assert got[0].isnan() and got[1] == math.inf and got[2] == 0.0
+    assert got[3] == 1.0 and got[4] == 1.0 and got[5] == math.inf
+    assert (got[6:] == 0.0).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -40,12 +40,11 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from .numeric import (FASTMATH, LOG2E, NO_POSITIVE, aligned_empty, copy_row, exp2_nonpositive, fmax_any_nan, narrow,
-                      narrow_ftz, prefer_512_bit_vectors, prefetch_bytes, row_address, smallest_positive, stream_fence,
+                      narrow_ftz, narrow_ftz_exact, prefer_512_bit_vectors, prefetch_bytes, row_address, stream_fence,
                       track_flushable, widen)
 
 MASK_VALUE = np.float32(-10000.0)  # CANN fills masked logits with -10000, not -inf
 _ROWS_PER_TASK = 64
-_MIN_NORMAL = np.float32(2.0**-126)
 
 
 @intrinsic
@@ -120,15 +119,6 @@ def _load_row(x, mask, row, scale, round_scaled, bufs, k):
     return top
 
 
-@njit(inline="always")
-def _all_normal(tiny, inv):
-    """Whether every nonzero e * inv of a row is a normal float32 (or inf), given ``tiny``
-    (:func:`.numeric.track_flushable`) of its e >= 0: then ``narrow_ftz`` rounds the row exactly as ``narrow`` (a
-    product is monotone in e, so the smallest positive e gives the smallest nonzero product). Nans round alike both
-    ways."""
-    return smallest_positive(tiny) * inv >= _MIN_NORMAL or tiny == NO_POSITIVE
-
-
 @njit(inline="always", fastmath=FASTMATH)
 def _exp_row(bufs, k, top, y):
     """bufs[k] = exp(bufs[k] - top) in place (as precise as y's element type needs); returns the sum and the
@@ -170,7 +160,8 @@ def _prefetch_columns(x, mask, row, valid, j0, j1):
 
 @njit(inline="always", fastmath=FASTMATH)
 def _round_row(bufs, k, inv, out, y, all_normal):
-    """out = bufs[k] * inv rounded to y's element type (by ``narrow_ftz`` when ``all_normal``: :func:`_all_normal`)."""
+    """out = bufs[k] * inv rounded to y's element type (by ``narrow_ftz`` when ``all_normal``:
+    :func:`.numeric.narrow_ftz_exact`)."""
     if all_normal:
         for j in range(out.size):
             out[j] = narrow_ftz(bufs[k, j] * inv, y)
@@ -181,8 +172,8 @@ def _round_row(bufs, k, inv, out, y, all_normal):
 
 @njit(inline="always", fastmath=FASTMATH)
 def _pipelined_row(x, mask, row_nxt, scale, round_scaled, bufs, cur, nxt, prv, top, inv, out, y, all_normal):
-    """:func:`_pipelined_loop` rounding by ``narrow_ftz`` when ``all_normal`` (:func:`_all_normal`), else by
-    ``narrow``: the loop is compiled once per rounding."""
+    """:func:`_pipelined_loop` rounding by ``narrow_ftz`` when ``all_normal`` (:func:`.numeric.narrow_ftz_exact`),
+    else by ``narrow``: the loop is compiled once per rounding."""
     if all_normal:
         return _pipelined_loop(narrow_ftz, x, mask, row_nxt, scale, round_scaled, bufs, cur, nxt, prv, top, inv, out, y)
     return _pipelined_loop(narrow, x, mask, row_nxt, scale, round_scaled, bufs, cur, nxt, prv, top, inv, out, y)
@@ -245,7 +236,7 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, stre
         if r > first:
             _put_row(y, y_address, _row_of(b0, n0, s0, mask), out, out_address, stream)
         inv = np.float32(1.0) / total
-        all_normal = _all_normal(tiny, inv)
+        all_normal = narrow_ftz_exact(tiny, inv)
         b0, n0, s0 = b1, n1, s1
         b1, n1, s1 = b2, n2, s2
         b2, n2, s2 = b3, n3, s3
