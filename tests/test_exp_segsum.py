@@ -24,6 +24,7 @@ import torch
 
 import attngrad
 from attngrad import aclnn
+from attngrad.kernels import numeric
 from attngrad.kernels.exp_segsum_reference import (exp_segsum_backward_reference, exp_segsum_reference,
                                                    saturate)
 from attngrad.precision import assert_close, compare
@@ -160,6 +161,36 @@ def test_forward_few_problems_split_rows_same_bits(dtype, problems):
     batched = attngrad.exp_segsum(torch.cat([x, normal((1, 20, 200), 0.0, 0.3, dtype)], 1))[:, :problems]
     assert torch.equal(bits(alone), bits(batched))
     assert_forward_close(alone, x)
+
+
+def test_forward_bfloat16_subnormal_outputs_are_not_flushed():
+    # bf16 rows are rounded by the CPU's conversion (which flushes float32 subnormals) only for problems whose
+    # negative x sum to at least -80. Here the segment sums from x[1] = -87 on fall by 0.03 per row; the exps of
+    # those in [-87.6, -87.34] are float32 subnormals that exp32 and exp2_32 still produce (below about -87.68
+    # they return 0, numeric.py). The second problem's 40 x of -2 sum to -80 exactly: the fast path.
+    t = 41
+    x = torch.cat([torch.tensor([0.0, -87.0]), torch.full((t - 2,), -0.03)]).view(1, 1, t)
+    x = torch.cat([x, torch.cat([torch.zeros(1), torch.full((t - 1,), -2.0)]).view(1, 1, t)], 1).to(torch.bfloat16)
+    out = attngrad.exp_segsum(x)
+    golden = golden_forward(x)
+    tiny = (golden > math.exp(-87.6)) & (golden < 2.0**-126)
+    assert tiny[0, 0].sum() >= 5 and not tiny[0, 1].any()
+    assert (out[tiny] > 0).all()  # not flushed to zero
+    ulp = 2.0**-133  # spacing of the bf16 subnormals
+    assert ((out[tiny].double() - golden[tiny].double()).abs() <= ulp).all()
+    assert_forward_close(out, x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("t", [37, 128])
+def test_forward_streamed_rows_same_bits(monkeypatch, dtype, t):
+    # outputs from numeric.STREAM_MIN_BYTES on are written by non-temporal stores: same bits as plain stores
+    x = normal((3, 2, t), 0.0, 0.3, dtype)
+    plain = attngrad.exp_segsum(x)
+    monkeypatch.setattr(numeric, "STREAM_MIN_BYTES", 0)
+    streamed = attngrad.exp_segsum(x)
+    assert torch.equal(bits(streamed), bits(plain))
+    assert_forward_close(streamed, x)
 
 
 def test_forward_accumulates_down_columns_not_cumsum_differences():

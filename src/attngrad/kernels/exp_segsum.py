@@ -10,7 +10,14 @@ of cumulative sums); row ``i`` is ``exp(acc[j])`` for ``j < i``, exactly 1 on th
 Unlike CANN the running sums carry a Kahan compensation term (still fp32): the exponent's rounding error
 becomes the output's relative error, and plain fp32 running sums of large segments (|sum| up to 88, the
 fp32 exp range) exceed API.md's fp32 norm-relative limit of 1e-5 (measured up to 1.3e-5; compensated
-about 4x less). nan/inf propagate as in the plain sum.
+about 4x less). nan/inf propagate as in the plain sum. Each row is one fused loop (add x[i] to the column sums,
+exp, round) over whole 16-lane vectors through the diagonal (the columns past it add -0.0 and give 0) into an
+aligned scratch row, copied out with non-temporal stores when the output is large (:func:`.numeric.copy_row`):
+the scalar tail loop and the cache reads of the output's lines cost more than the few lanes of extra work.
+The exp is :func:`.numeric.exp_for`, the cheaper exp2 form for bf16/fp16 outputs. bf16 rounding by
+``narrow_ftz`` (a third cheaper) flushes float32 subnormals, so a problem whose column sums may fall below
+-87.3 (:func:`_may_be_subnormal`, one float64 pass over x) rounds by ``narrow``. Measured on [8, 8, 4, 128]:
+these halve the bf16 forward and take a third off the fp32 one.
 
 Backward: rows are swept from ``T-1`` down to 0 keeping a length-T fp32 running column sum of
 ``grad_output * grad_self`` over the strict lower triangle; after row ``i`` is added,
@@ -34,7 +41,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .numeric import FASTMATH, array_at, exp32, narrow, prefer_512_bit_vectors, prefetch_bytes, widen
+from .numeric import (FASTMATH, aligned_empty, array_at, copy_row, exp_for, narrow, narrow_ftz, narrow_ftz_flushes,
+                      prefer_512_bit_vectors, prefetch_bytes, stream_fence, widen)
 
 
 # The forward's compensated sums need IEEE addition order: no reassociation (it would cancel the compensation).
@@ -45,40 +53,98 @@ _LANES = 16  # backward rows are padded to whole 16-lane vectors (one AVX-512 re
 
 
 @njit(inline="always", fastmath=_ORDERED)
-def _add_row(acc, comp, xi, i):
-    """Add x[i] to the running sums of columns j < i (Kahan-compensated fp32, down each column)."""
-    for j in range(i):
-        y = xi - comp[j]
-        t = acc[j] + y
-        comp[j] = (t - acc[j]) - y if abs(t) < _INF else np.float32(0.0)  # inf/nan: no compensation
-        acc[j] = t
+def _add(acc, comp, xi, j, i32):
+    """Add x[i] to the running sum of column j when j < i (Kahan-compensated fp32); from column i on, add -0.0,
+    which leaves the column's sum (still zero) as it is. Returns the new sum."""
+    y = xi - comp[j] if np.int32(j) < i32 else _NEG_ZERO
+    t = acc[j] + y
+    comp[j] = (t - acc[j]) - y if abs(t) < _INF else np.float32(0.0)  # inf/nan: no compensation
+    acc[j] = t
+    return t
+
+
+@njit(inline="always", fastmath=_ORDERED)
+def _entry(e, j, i32):
+    """Row i's value in column j: the exp ``e`` below the diagonal, exactly 1 on it, exactly 0 above."""
+    j32 = np.int32(j)
+    return e if j32 < i32 else (np.float32(1.0) if j32 == i32 else np.float32(0.0))
+
+
+@njit(inline="always", fastmath=_ORDERED)
+def _add_row(acc, comp, xi, i, width):
+    """Add x[i] to the running sums of the columns j < i, sweeping ``width`` columns (:func:`_width`)."""
+    i32 = np.int32(i)
+    for j in range(width):
+        _add(acc, comp, xi, j, i32)
+
+
+@njit(inline="always", fastmath=_ORDERED)
+def _add_exp_loop(rounding, acc, comp, xi, i, width, row, out):
+    """:func:`_add_row`, and row[:width] = row i of the output rounded to out's element type by ``rounding``, in
+    one loop."""
+    i32 = np.int32(i)
+    for j in range(width):
+        row[j] = rounding(_entry(exp_for(_add(acc, comp, xi, j, i32), out), j, i32), out)
+
+
+@njit(inline="always", fastmath=_ORDERED)
+def _add_exp_row(acc, comp, xi, i, width, row, out, exact):
+    """:func:`_add_exp_loop` rounding by ``narrow`` when ``exact``, else by ``narrow_ftz`` (the loop is compiled
+    once per rounding)."""
+    if exact:
+        _add_exp_loop(narrow, acc, comp, xi, i, width, row, out)
+    else:
+        _add_exp_loop(narrow_ftz, acc, comp, xi, i, width, row, out)
+
+
+@njit(inline="always")
+def _may_be_subnormal(xs):
+    """Whether an exp of a column sum ``x[j+1] + ... + x[i]`` of the problem xs may be a float32 subnormal (below
+    2**-126 = exp(-87.3), where ``narrow_ftz`` differs from ``narrow``). Not when the negative x[k] sum to at
+    least -80 (in float64; a nan is skipped, -inf fails the test): every column sum is then exactly >= -80, and
+    its compensated fp32 value is within (2u + O(T u^2)) * sum|x| of it (u = 2**-24), so it could fall below -87
+    only with sum|x| > 2**22, when the positive terms make it far larger than 0."""
+    negative = 0.0
+    for k in range(1, xs.shape[0]):
+        v = np.float64(widen(xs[k]))
+        negative += v if v < 0.0 else 0.0
+    return not negative >= -80.0
+
+
+@njit(inline="always")
+def _width(i, padded):
+    """Columns swept for row i: whole vectors through column i (``padded``: T in whole vectors)."""
+    return min(padded, (i // _LANES + 1) * _LANES)
 
 
 @njit(parallel=True, fastmath=_ORDERED, cache=True)
-def exp_segsum_forward(x, splits, out):
-    """x ``[A, B, C, T]`` -> out ``[A, B, C, T, T]`` (any strides), fp32 sums and exp."""
+def exp_segsum_forward(x, splits, stream, out):
+    """x ``[A, B, C, T]`` -> out ``[A, B, C, T, T]`` (any strides), fp32 sums and exp. ``stream``: out's rows are
+    written by non-temporal stores where contiguous (:func:`.numeric.streams`)."""
     A, B, C, T = x.shape
     problems = A * B * C
     rows_per_task = (T + splits - 1) // splits
-    zero = narrow(np.float32(0.0), out)
-    one = narrow(np.float32(1.0), out)
+    padded = (T + _LANES - 1) // _LANES * _LANES
     for task in prange(problems * splits):
         p = task // splits
         first = (task % splits) * rows_per_task
-        last = min(T, first + rows_per_task)
         a, b, c = p // (B * C), (p // C) % B, p % C
-        xs = x[a, b, c]
-        acc = np.zeros(T, dtype=np.float32)
-        comp = np.zeros(T, dtype=np.float32)
+        acc, comp = aligned_empty((padded,), np.float32), aligned_empty((padded,), np.float32)
+        row = aligned_empty((padded,), out.dtype)
+        acc[:], comp[:], row[:] = 0, 0, narrow(np.float32(0.0), out)
         for i in range(1, first):  # replay the column sums of the rows above this chunk
-            _add_row(acc, comp, widen(xs[i]), i)
-        for i in range(first, last):
-            _add_row(acc, comp, widen(xs[i]), i)
-            row = out[a, b, c, i]
-            for j in range(i):
-                row[j] = narrow(exp32(acc[j]), out)
-            row[i] = one
-            row[i + 1:] = zero
+            _add_row(acc, comp, widen(x[a, b, c, i]), i, _width(i, padded))
+        address = out.ctypes.data + a * out.strides[0] + b * out.strides[1] + c * out.strides[2]
+        exact = narrow_ftz_flushes(out) and _may_be_subnormal(x[a, b, c])
+        for i in range(first, min(T, first + rows_per_task)):
+            _add_exp_row(acc, comp, widen(x[a, b, c, i]), i, _width(i, padded), row, out, exact)
+            if out.strides[4] == out.itemsize:
+                copy_row(address + i * out.strides[3], row.ctypes.data, T * out.itemsize, stream)
+            else:
+                for j in range(T):
+                    out[a, b, c, i, j] = row[j]
+        if stream:
+            stream_fence()
 
 
 @njit(fastmath=FASTMATH, cache=True)

@@ -22,6 +22,7 @@ import math
 import torch
 
 from ..kernels import exp_segsum as kernels
+from ..kernels.numeric import streams
 from ..kernels.tensor_view import kernel_view, new_output, unit_stride_rows
 from ..validation import (FLOAT_DTYPES, check_dtype, check_output_view, check_rank, check_same_dtype, check_shape,
                           require_tensor)
@@ -108,7 +109,7 @@ def forward_kernel(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     out = new_output((*x.shape, t), x.dtype) if out is None else out
     if out.numel() == 0:
         return out
-    kernels.exp_segsum_forward(kernel_view(_as_rank(x, 4)), _splits(math.prod(x.shape[:-1])),
+    kernels.exp_segsum_forward(kernel_view(_as_rank(x, 4)), _splits(math.prod(x.shape[:-1])), streams(out.nbytes),
                                kernel_view(_as_rank(out, 5)))
     return out
 
