@@ -79,18 +79,11 @@ def _exp2_all(v):
 
 
 @njit(fastmath=FASTMATH)
-def _exp2_nonpositive_all(v, like):
+def _exp_like_all(v, like, nonpositive):
+    """exp2_nonpositive(v, like) when ``nonpositive``, else exp_for(v, like), elementwise."""
     out = np.empty_like(v)
     for i in range(v.size):
-        out[i] = exp2_nonpositive(v[i], like)
-    return out
-
-
-@njit(fastmath=FASTMATH)
-def _exp_for_all(v, like):
-    out = np.empty_like(v)
-    for i in range(v.size):
-        out[i] = exp_for(v[i], like)
+        out[i] = exp2_nonpositive(v[i], like) if nonpositive else exp_for(v[i], like)
     return out
 
 
@@ -220,7 +213,7 @@ NONPOSITIVE = torch.cat([torch.empty(1 << 20).uniform_(-126.0, 0.0, generator=to
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_exp2_nonpositive_is_as_precise_as_the_result_dtype_needs(dtype):
     like = kernel_view(torch.empty(1, dtype=dtype))
-    got = torch.from_numpy(_exp2_nonpositive_all(NONPOSITIVE.numpy(), like))
+    got = torch.from_numpy(_exp_like_all(NONPOSITIVE.numpy(), like, True))
     want = torch.exp2(NONPOSITIVE.double())
     rel = ((got.double() - want) / want).abs().max().item()
     if dtype == torch.float32:  # float32 results keep exp2_32's polynomial: the same bits
@@ -233,7 +226,7 @@ def test_exp2_nonpositive_is_as_precise_as_the_result_dtype_needs(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_exp2_nonpositive_special_values(dtype):
     t = torch.tensor([0.0, -0.0, -1.0, -3.0, -127.0, -127.4, -200.0, -math.inf, math.nan, -3.4e38])
-    got = torch.from_numpy(_exp2_nonpositive_all(t.numpy(), kernel_view(torch.empty(1, dtype=dtype))))
+    got = torch.from_numpy(_exp_like_all(t.numpy(), kernel_view(torch.empty(1, dtype=dtype)), True))
     assert got[0] == 1.0 and got[1] == 1.0  # exactly: P of a row's max is 1
     assert got[2] == 0.5 and got[3] == 0.125
     assert (got[4:8] == 0.0).all() and got[9] == 0.0  # masked logits give exactly 0
@@ -246,7 +239,7 @@ EXP_ARGUMENTS = torch.cat([torch.empty(1 << 20).uniform_(-87.3, 88.7, generator=
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_exp_for_is_as_precise_as_the_result_dtype_needs(dtype):
-    got = torch.from_numpy(_exp_for_all(EXP_ARGUMENTS.numpy(), kernel_view(torch.empty(1, dtype=dtype))))
+    got = torch.from_numpy(_exp_like_all(EXP_ARGUMENTS.numpy(), kernel_view(torch.empty(1, dtype=dtype)), False))
     want = EXP_ARGUMENTS.double().exp()
     rel = ((got.double() - want) / want).abs()
     if dtype == torch.float32:  # exp32: no rounding of the argument
@@ -262,7 +255,7 @@ def test_exp_for_is_as_precise_as_the_result_dtype_needs(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_exp_for_special_values(dtype):
     x = torch.tensor([math.nan, math.inf, -math.inf, 0.0, -0.0, 89.0, -88.0, -1e4])
-    got = torch.from_numpy(_exp_for_all(x.numpy(), kernel_view(torch.empty(1, dtype=dtype))))
+    got = torch.from_numpy(_exp_like_all(x.numpy(), kernel_view(torch.empty(1, dtype=dtype)), False))
     assert got[0].isnan() and got[1] == math.inf and got[2] == 0.0
     assert got[3] == 1.0 and got[4] == 1.0 and got[5] == math.inf
     assert (got[6:] == 0.0).all()
