@@ -35,6 +35,9 @@ Tiles and work split (both cores busy even for one head, results identical for a
   dV^T take Q^T / dY^T from transposed copies made once per call; bfloat16 tiles with an odd row or column count
   go to MKL (float16 runs on MKL throughout).
 
+Scratch tiles start on cache lines (:func:`.numeric.aligned_empty`; numba's ``np.empty`` starts 32 bytes past one):
+the same bits, the fp32 grad a few percent faster.
+
 Extra memory: per task a few [BQ, BK] tiles plus the fp32 dQ slices (``chunks * B*N1*Sq*D``), the packed
 bf16 K, V of the forward and the Q^T, dY^T copies of the backward: O(S*D), never an [Sq, Skv] tensor beyond
 the pse's own (dpse: one fp32 accumulator shaped like the pse, never the expanded [B, N1, Sq, Skv]).
@@ -55,7 +58,7 @@ from numba import njit, prange, set_parallel_chunksize
 
 from .flash_attention_plan import MASKED_LOGIT, AttentionPlan
 from .gemm import BRGEMM_DTYPES, NO_TRANS, TRANS, brgemm, brgemm_release, gemm
-from .numeric import (FASTMATH, LOG2E, array_at, exp2_32, exp32, fmaximum, narrow, narrow_ftz,
+from .numeric import (FASTMATH, LOG2E, aligned_empty, array_at, exp2_32, exp32, fmaximum, narrow, narrow_ftz,
                       prefer_512_bit_vectors, row_address, widen)
 from .tensor_view import kernel_view, new_output
 
@@ -247,7 +250,7 @@ def _forward_tile(s, p, acc, m, l, rows, cols, general, b, n, i0, j0, mask, pse,
     dropout = ip[_DROPOUT] != 0
     raw = not general and ip[_PSE_KIND] == _PSE_NONE and fp[0] > 0
     scale = fp[0] if raw else np.float32(1.0)
-    f = np.empty(cols, np.float32)
+    f = aligned_empty((cols,), np.float32)
     for r in range(rows):
         i = i0 + r
         if not raw:
@@ -412,11 +415,11 @@ def _forward_kernel(q, k, v, kt, vv, packed, mask, pse, prefix, drop, ip, fp, in
         n = (task // nqb) % N1
         i0 = (task % nqb) * _BQ
         rows = min(_BQ, Sq - i0)
-        s = np.empty((_BQ, _FWD_BK), np.float32)
-        p = np.empty((_BQ, _FWD_BK), q.dtype)
-        acc = np.empty((_BQ, Dv), np.float32)
-        m = np.empty(_BQ, np.float32)
-        l = np.empty(_BQ, np.float32)
+        s = aligned_empty((_BQ, _FWD_BK), np.float32)
+        p = aligned_empty((_BQ, _FWD_BK), q.dtype)
+        acc = aligned_empty((_BQ, Dv), np.float32)
+        m = aligned_empty((_BQ,), np.float32)
+        l = aligned_empty((_BQ,), np.float32)
         if (_forward_block(q, k, v, kt, vv, packed, b, n, i0, rows, mask, pse, prefix, drop, ip, fp, True,
                            s, p, acc, m, l)
                 and not invalid_rows):
@@ -467,7 +470,7 @@ def _backward_tile(s, dp, pt, dst, rows, cols, general, b, n, i0, j0, mask, pse,
     dropout = ip[_DROPOUT] != 0
     raw = not general and ip[_PSE_KIND] == _PSE_NONE
     scale = fp[0] if raw else np.float32(1.0)
-    f = np.empty(cols, np.float32)
+    f = aligned_empty((cols,), np.float32)
     for r in range(rows):
         i = i0 + r
         mr = smax[b, n, i]
@@ -609,18 +612,19 @@ def _backward_kernel(q, k, v, dy, qt, dyt, packed, pack_like, smax, ssum, dr, ma
         bt = task // (N2 * chunks)
         n2 = (task // chunks) % N2
         chunk = task % chunks
-        s = np.empty((_BQ, _BK), np.float32)
-        dp = np.empty((_BQ, _BK), np.float32)
-        pt = np.empty((_BQ, _BK), q.dtype)
-        dst = np.empty((_BQ, _BK), q.dtype)
-        dkt = np.empty((D, _BK), np.float32)
-        dvt = np.empty((Dv, _BK), np.float32)
+        s = aligned_empty((_BQ, _BK), np.float32)
+        dp = aligned_empty((_BQ, _BK), np.float32)
+        pt = aligned_empty((_BQ, _BK), q.dtype)
+        dst = aligned_empty((_BQ, _BK), q.dtype)
+        dkt = aligned_empty((D, _BK), np.float32)
+        dvt = aligned_empty((Dv, _BK), np.float32)
         per = pack_like.itemsize // q.itemsize  # input elements per packed element (2: VNNI pairs)
         block = max(D, Dv) * _BK // per if packed else 1
         pairs = block if per == 2 else 1  # K rows and the Pd / dS tiles are packed for VNNI pairs only
         tile = _BQ * _BK // per if packed and per == 2 else 1
-        packs = (np.empty(block, pack_like.dtype), np.empty(block, pack_like.dtype), np.empty(pairs, pack_like.dtype),
-                 np.empty(tile, pack_like.dtype), np.empty(tile, pack_like.dtype))
+        packs = (aligned_empty((block,), pack_like.dtype), aligned_empty((block,), pack_like.dtype),
+                 aligned_empty((pairs,), pack_like.dtype), aligned_empty((tile,), pack_like.dtype),
+                 aligned_empty((tile,), pack_like.dtype))
         for kb in range(chunk * nkb // chunks, (chunk + 1) * nkb // chunks):
             j0 = kb * _BK
             for b in range(bt, B, batch_tasks):
