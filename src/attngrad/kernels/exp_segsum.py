@@ -49,7 +49,7 @@ from .numeric import (FASTMATH, aligned_empty, array_at, copy_row, exp_for, narr
 _ORDERED = FASTMATH - {"reassoc"}
 _INF = np.float32(np.inf)
 _NEG_ZERO = np.float32(-0.0)  # x + -0.0 == x for every x (+0.0 included): the neutral element of a masked add
-_LANES = 16  # backward rows are padded to whole 16-lane vectors (one AVX-512 register of float32)
+_LANES = 16  # rows are swept in whole 16-lane vectors (one AVX-512 register of float32), both directions
 
 
 @njit(inline="always", fastmath=_ORDERED)
