@@ -42,7 +42,7 @@ import numpy as np
 from numba import njit, prange
 
 from .numeric import (FASTMATH, aligned_empty, array_at, copy_row, exp_for, narrow, narrow_ftz, narrow_ftz_flushes,
-                      prefer_512_bit_vectors, prefetch_bytes, stream_fence, widen)
+                      prefer_512_bit_vectors, prefetch_bytes, row_address, stream_fence, widen)
 
 
 # The forward's compensated sums need IEEE addition order: no reassociation (it would cancel the compensation).
@@ -134,7 +134,7 @@ def exp_segsum_forward(x, splits, stream, out):
         acc[:], comp[:], row[:] = 0, 0, narrow(np.float32(0.0), out)
         for i in range(1, first):  # replay the column sums of the rows above this chunk
             _add_row(acc, comp, widen(x[a, b, c, i]), i, _width(i, padded))
-        address = out.ctypes.data + a * out.strides[0] + b * out.strides[1] + c * out.strides[2]
+        address = row_address(out, a, b, c)
         exact = narrow_ftz_flushes(out) and _may_be_subnormal(x[a, b, c])
         for i in range(first, min(T, first + rows_per_task)):
             _add_exp_row(acc, comp, widen(x[a, b, c, i]), i, _width(i, padded), row, out, exact)

@@ -133,7 +133,8 @@ def aligned_empty(shape, dtype):
 
 @njit(inline="always")
 def row_address(a, i0, i1, i2):
-    """Address of ``a[i0, i1, i2, 0]`` of a 4-D array (any strides)."""
+    """Address of ``a[i0, i1, i2, 0, ...]`` of an array of rank >= 3 (any strides): a 4-D array's row, or the
+    first row of a 5-D array's ``[i0, i1, i2]`` matrix."""
     return a.ctypes.data + i0 * a.strides[0] + i1 * a.strides[1] + i2 * a.strides[2]
 
 
