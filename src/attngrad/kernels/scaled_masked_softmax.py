@@ -28,8 +28,8 @@ values on which it differs from the exact rounding; the exp loop tracks the row'
 that test (two integer operations per vector against about ten for the exact rounding). Rows advance by
 counters instead of three integer divisions per row, and the scratch rows start on cache lines
 (``numeric.aligned_empty``). Measured on [4, 16, 512, 1024], cold caches, one process: bf16 3.9-4.2 -> 3.2-3.4
-ms, the same bits; fp16 and fp32 within noise (the fp16 loop alone moves by 10-15% with where its machine code
-lands: identical copies compiled in one process ran 3.45-3.63 and 3.89-3.99 ms).
+ms, the same bits; fp16 and fp32 within noise (the fp16 forward moves by 10-15% with the machine's state: 3.4-3.6
+ms right after compiling or CPU load, 3.6-4.1 ms loaded from numba's cache on an idle machine, the same instructions).
 """
 
 from __future__ import annotations
