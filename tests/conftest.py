@@ -23,7 +23,7 @@ if _WORKER:
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from attngrad import aclnn
+from attngrad import aclnn  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
