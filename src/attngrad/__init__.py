@@ -4,7 +4,7 @@ Torch layer (this module), CANN two-phase layer (:mod:`attngrad.aclnn`) and torc
 (:mod:`attngrad.npu`) all run through one contract module per operator in :mod:`attngrad.ops`.
 """
 
-from .errors import AclnnError
+from .errors import AclnnError, aclnn_error_of
 from . import npu  # noqa: F401 - torch_npu names
 from .ops.exp_segsum import exp_segsum, exp_segsum_backward
 from .ops.flash_attention import flash_attention_score, flash_attention_score_grad
@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AclnnError",
+    "aclnn_error_of",
     "exp_segsum",
     "exp_segsum_backward",
     "flash_attention_score",

@@ -35,3 +35,16 @@ class AclnnError(ValueError):
 
     def __str__(self) -> str:
         return f"[{STATUS_NAMES.get(self.status, self.status)} {self.status}] {self.args[0]}"
+
+
+def aclnn_error_of(exc: BaseException) -> AclnnError | None:
+    """The :class:`AclnnError` behind ``exc``: ``exc`` itself, or the one found along its ``__cause__`` /
+    ``__context__`` chain. Under ``torch.compile`` an operator's validation runs while dynamo traces the graph,
+    and dynamo re-raises the error as its own ``TorchRuntimeError``; the AclnnError stays in that chain."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, AclnnError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None

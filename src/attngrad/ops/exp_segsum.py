@@ -128,35 +128,61 @@ def backward_kernel(grad_output: torch.Tensor, grad_self: torch.Tensor,
     return grad_input
 
 
-class _ExpSegsumFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        out = forward_kernel(x)
-        ctx.save_for_backward(out)
-        return out
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
-        (out,) = ctx.saved_tensors
-        grad_out = grad_out if grad_out.dtype == out.dtype else grad_out.to(out.dtype)
-        return backward_kernel(grad_out, out)
+# ------------------------------------------------------------------------------- custom ops (torch.library)
+# Eager and fake kernels run the same checks (see attngrad.ops.scaled_masked_softmax).
+@torch.library.custom_op("attngrad::exp_segsum", mutates_args=())
+def _forward_op(x: torch.Tensor) -> torch.Tensor:
+    check_forward(x)
+    return forward_kernel(x)
 
 
+@_forward_op.register_fake
+def _forward_fake(x):
+    check_forward(x)
+    return x.new_empty((*x.shape, x.shape[-1]))
+
+
+@torch.library.custom_op("attngrad::exp_segsum_backward", mutates_args=())
+def _backward_op(grad_output: torch.Tensor, grad_self: torch.Tensor) -> torch.Tensor:
+    check_backward(grad_output, grad_self)
+    return backward_kernel(grad_output, grad_self)
+
+
+@_backward_op.register_fake
+def _backward_fake(grad_output, grad_self):
+    check_backward(grad_output, grad_self)
+    return grad_output.new_empty(grad_output.shape[:-1])
+
+
+def _save_forward(ctx, inputs, output):
+    ctx.save_for_backward(output)
+
+
+def _differentiate_forward(ctx, grad_out):
+    """d x = ExpSegsumBackward(grad_out, out) on the saved output (grad_out cast to its dtype)."""
+    (out,) = ctx.saved_tensors
+    return _backward_op(grad_out.to(out.dtype), out)
+
+
+_forward_op.register_autograd(_differentiate_forward, setup_context=_save_forward)
+
+
+# -------------------------------------------------------------------------------------------- torch layer
 def exp_segsum(x):
     """CANN ExpSegsum: x ``(..., T)`` 3-D/4-D float -> ``(..., T, T)`` of x's dtype.
 
     ``out[i, j] = exp(sum x[j+1..i])`` for ``j <= i`` (fp32 running sums down each column, fp32 exp),
-    0 above the diagonal. Differentiable w.r.t. x; the backward is :func:`exp_segsum_backward`'s kernel
-    with ``grad_self`` = this output.
+    0 above the diagonal. Differentiable w.r.t. x (the backward is :func:`exp_segsum_backward`'s kernel with
+    ``grad_self`` = this output); runs as the custom op ``torch.ops.attngrad.exp_segsum``.
     """
-    check_forward(x)
-    if x.requires_grad and torch.is_grad_enabled():
-        return _ExpSegsumFunction.apply(x)
-    return forward_kernel(x)
+    if not torch.compiler.is_compiling():  # a non-tensor argument gets the contract's error, not the schema's
+        check_forward(x)
+    return _forward_op(x)
 
 
 def exp_segsum_backward(grad_output, grad_self):
-    """CANN ExpSegsumBackward: grad_output, grad_self ``(..., T, T)`` 4-D/5-D -> grad_input ``(..., T)``."""
-    check_backward(grad_output, grad_self)
-    return backward_kernel(grad_output, grad_self)
+    """CANN ExpSegsumBackward: grad_output, grad_self ``(..., T, T)`` 4-D/5-D -> grad_input ``(..., T)``
+    (custom op ``torch.ops.attngrad.exp_segsum_backward``)."""
+    if not torch.compiler.is_compiling():
+        check_backward(grad_output, grad_self)
+    return _backward_op(grad_output, grad_self)

@@ -141,33 +141,62 @@ def backward_kernel(grad_output, y, mask, scale: float, out: torch.Tensor | None
     return out
 
 
-class _ScaledMaskedSoftmaxFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mask, scale):
-        y = forward_kernel(x, mask, scale)
-        ctx.save_for_backward(y, mask)
-        ctx.scale = scale
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        y, mask = ctx.saved_tensors
-        grad_y = grad_y if grad_y.dtype == y.dtype else grad_y.to(y.dtype)
-        return backward_kernel(grad_y, y, mask, ctx.scale), None, None
+# ------------------------------------------------------------------------------- custom ops (torch.library)
+# The ops run the contract's validation in their eager and fake kernels alike, so a bad input raises the same
+# AclnnError in eager, under torch.compile and in torch.export; the public functions below only call them.
+@torch.library.custom_op("attngrad::scaled_masked_softmax", mutates_args=())
+def _forward_op(x: torch.Tensor, mask: torch.Tensor | None, scale: float, fix_triu_mask: bool) -> torch.Tensor:
+    return forward_kernel(*check_forward(x, mask, scale, fix_triu_mask))
 
 
+@_forward_op.register_fake
+def _forward_fake(x, mask, scale, fix_triu_mask):
+    check_forward(x, mask, scale, fix_triu_mask)
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op("attngrad::scaled_masked_softmax_backward", mutates_args=())
+def _backward_op(grad_output: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None, scale: float,
+                 fix_triu_mask: bool) -> torch.Tensor:
+    return backward_kernel(*check_backward(grad_output, y, mask, scale, fix_triu_mask))
+
+
+@_backward_op.register_fake
+def _backward_fake(grad_output, y, mask, scale, fix_triu_mask):
+    check_backward(grad_output, y, mask, scale, fix_triu_mask)
+    return grad_output.new_empty(grad_output.shape)
+
+
+def _save_forward(ctx, inputs, output):
+    _, mask, ctx.scale, ctx.fix_triu_mask = inputs
+    ctx.save_for_backward(output, mask)
+
+
+def _differentiate_forward(ctx, grad_y):
+    """d x = ScaledMaskedSoftmaxBackward(grad_y, y, mask) on the saved y (grad_y cast to y's dtype)."""
+    y, mask = ctx.saved_tensors
+    grad_x = _backward_op(grad_y.to(y.dtype), y, mask, ctx.scale, ctx.fix_triu_mask)
+    return grad_x, None, None, None
+
+
+_forward_op.register_autograd(_differentiate_forward, setup_context=_save_forward)
+
+
+# -------------------------------------------------------------------------------------------- torch layer
 def scaled_masked_softmax(x, mask, scale=1.0, fix_triu_mask=False):
     """CANN ScaledMaskedSoftmax. x ``[B,N,S1,S2]`` float, mask bool ``[B|1,N|1,S1,S2]`` -> y like x.
 
-    Differentiable w.r.t. x; the backward is :func:`scaled_masked_softmax_backward`'s kernel.
+    Differentiable w.r.t. x (the backward is :func:`scaled_masked_softmax_backward`'s kernel); runs as the custom
+    op ``torch.ops.attngrad.scaled_masked_softmax``, so it compiles and exports.
     """
-    x, mask, scale = check_forward(x, mask, scale, fix_triu_mask)
-    if x.requires_grad and torch.is_grad_enabled():
-        return _ScaledMaskedSoftmaxFunction.apply(x, mask, scale)
-    return forward_kernel(x, mask, scale)
+    if not torch.compiler.is_compiling():  # a bad argument gets the contract's error, not the schema's
+        check_forward(x, mask, scale, fix_triu_mask)
+    return _forward_op(x, mask, float(scale), fix_triu_mask)
 
 
 def scaled_masked_softmax_backward(grad_output, y, mask, scale=1.0, fix_triu_mask=False):
-    """CANN ScaledMaskedSoftmaxBackward: gradient of x given dy (``grad_output``) and the forward y."""
-    grad_output, y, mask, scale = check_backward(grad_output, y, mask, scale, fix_triu_mask)
-    return backward_kernel(grad_output, y, mask, scale)
+    """CANN ScaledMaskedSoftmaxBackward: gradient of x given dy (``grad_output``) and the forward y
+    (custom op ``torch.ops.attngrad.scaled_masked_softmax_backward``)."""
+    if not torch.compiler.is_compiling():
+        check_backward(grad_output, y, mask, scale, fix_triu_mask)
+    return _backward_op(grad_output, y, mask, float(scale), fix_triu_mask)
