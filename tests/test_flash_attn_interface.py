@@ -146,13 +146,12 @@ def test_rows_without_keys_have_zero_output_zero_gradients_and_infinite_lse():
 
 
 def test_an_empty_row_passes_no_gradient_to_keys():
-    """A window that reaches no key of one row: k and v get exactly the gradients of the other rows."""
+    """A window that reaches no key of rows 0-2: their output gradient reaches neither q, k nor v."""
     q, k, v = leaves(torch.float32, (1, 6, HEADS, DIM), (1, 3, KV_HEADS, DIM), (1, 3, KV_HEADS, DIM))
-    out = flash_attn_func(q, k, v, window_size=(0, 0))       # rows 0-2 see no key (bottom-right diagonal)
-    dy = torch.randn(out.shape)
-    grads = torch.autograd.grad(out, (k, v), dy)
-    tail = flash_attn_func(q[:, 3:], k, v, window_size=(0, 0))
-    assert all(torch.equal(g, t) for g, t in zip(grads, torch.autograd.grad(tail, (k, v), dy[:, 3:])))
+    out = flash_attn_func(q, k, v, window_size=(0, 0))       # bottom-right diagonal: rows 3-5 see key i - 3
+    dy = torch.zeros(out.shape)
+    dy[:, :3] = torch.randn(dy[:, :3].shape)
+    assert all(not grad.any() for grad in torch.autograd.grad(out, (q, k, v), dy))
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:

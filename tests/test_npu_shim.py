@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import attngrad
-from attngrad.npu import shim
+from attngrad.npu import run, shim
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = """\
@@ -87,13 +87,17 @@ def test_runner_runs_a_torch_npu_script_as_main_with_its_arguments(tmp_path):
                                      repr(float(out.double().sum()))]
 
 
-def test_runner_reports_unemulated_names_and_usage(tmp_path):
+def test_runner_reports_unemulated_names_and_usage(tmp_path, no_torch_npu, monkeypatch, capsys):
+    """In this process: the script runs as __main__ with the shim and fails on a name the shim lacks."""
     script = tmp_path / "device.py"
-    script.write_text("import torch_npu\ntorch_npu.npu.set_device(0)\n")
-    result = python("-m", "attngrad.npu.run", str(script))
-    assert result.returncode == 1 and "torch_npu.npu is not emulated" in result.stderr
-    result = python("-m", "attngrad.npu.run")
-    assert result.returncode == 2 and "usage: python -m attngrad.npu.run script.py" in result.stderr
+    script.write_text("import sys, torch_npu\nassert __name__ == '__main__' and sys.argv[1:] == ['-x']\n"
+                      "torch_npu.npu.set_device(0)\n")
+    monkeypatch.setattr(sys, "argv", ["run.py"])
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with pytest.raises(AttributeError, match="torch_npu.npu is not emulated"):
+        run.main([str(script), "-x"])
+    assert sys.argv == [str(script), "-x"] and sys.path[0] == str(tmp_path)
+    assert run.main([]) == 2 and "usage: python -m attngrad.npu.run script.py" in capsys.readouterr().err
 
 
 def interop_examples() -> tuple[dict[str, str], list[list[str]]]:

@@ -57,7 +57,7 @@ class _Attention:
         self.keep_prob = 1.0 - dropout_p
         if check_float(op, "softcap", softcap) > 0:
             raise invalid(op, "softcap", "softcapping (softcap > 0) is not supported", softcap)
-        self.scale = head_dim ** -0.5 if softmax_scale is None else softmax_scale
+        self.scale = (head_dim ** -0.5 if head_dim else 1.0) if softmax_scale is None else softmax_scale
         self.slopes = alibi_slopes
         self.window = _window(op, window_size, bool(causal), seqlen_k)
         self.seed = int(torch.randint(0, 2**62, (1,))) if dropout_p > 0 else 0
@@ -128,21 +128,25 @@ def _alibi_square_blocks(att: _Attention, q, k, v, offset):
     pieces = []
     for index, end in enumerate(range(sq, 0, -skv)):
         start, shift = max(end - skv, 0), end - sq
-        pre, nxt = att.window or (UNBOUNDED, UNBOUNDED)
-        band = (pre if pre == UNBOUNDED else pre - shift, nxt if nxt == UNBOUNDED else nxt + shift)
-        if band[1] < 1 - skv:
-            rows = end - start
-            pieces.append((q.new_zeros(b, rows, h, v.shape[3]), q.new_full((b, h, rows), EMPTY_ROW_MAX,
-                                                                         dtype=torch.float32),
-                           q.new_ones(b, h, rows, dtype=torch.float32)))
+        band = att.window and tuple(UNBOUNDED if side == UNBOUNDED else side + sign * shift
+                                    for side, sign in zip(att.window, (-1, 1)))
+        if band and band[1] < 1 - skv:
+            pieces.append(_rows_without_keys(q, v, end - start))
             continue
         pad = skv - (end - start)
         rows = torch.cat([q.new_zeros(b, pad, h, q.shape[3]), q[:, start:end]], 1) if pad else q[:, start:end]
-        out, smax, ssum = att.run(rows, k, v, "BSND", offset=offset + index * b * h * skv * skv,
-                                  window=band, q_start=shift)
+        out, smax, ssum = att.run(rows, k, v, "BSND", offset=offset + index * b * h * skv * skv, window=band,
+                                  q_start=shift)
         pieces.append((out[:, pad:], smax[:, :, pad:], ssum[:, :, pad:]))
     out, smax, ssum = zip(*reversed(pieces))
     return torch.cat(out, 1), torch.cat(smax, 2), torch.cat(ssum, 2)
+
+
+def _rows_without_keys(q, v, rows: int):
+    """The results of ``rows`` query rows that see no key: output 0, softmax_max -FLT_MAX, softmax_sum 1."""
+    b, _, h, _ = q.shape
+    stats = q.new_full((b, h, rows), EMPTY_ROW_MAX, dtype=torch.float32)
+    return q.new_zeros(b, rows, h, v.shape[3]), stats, torch.ones_like(stats)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -182,7 +186,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
 def _unpack(op: str, name: str, packed, rank: int, dim: int, count: int):
     """The ``count`` tensors stacked along ``dim`` of a packed argument (views: gradients flow back)."""
     check_rank(op, name, require_tensor(op, name, packed), (rank,))
-    check_dim_equal(op, name, packed, dim, count, f"packing of {count} tensors")
+    check_dim_equal(op, name, packed, dim, count, "the packing")
     return packed.unbind(dim)
 
 
@@ -205,8 +209,9 @@ def _attention_varlen(att: _Attention, q, k, v, ends_q: list[int], ends_k: list[
         out, smax, ssum = att.run(q, k, v, "TND", actual_seq_qlen=ends_q, actual_seq_kvlen=ends_k,
                                   softmax_layout="TND")
         return out, smax.T, ssum.T
-    if att.slopes.dim() == 2:
-        check_dim_equal(att.op, "alibi_slopes", att.slopes, 0, len(lengths), "cu_seqlens_q's batch count")
+    if att.slopes.dim() == 2 and att.slopes.shape[0] != len(lengths):
+        raise invalid(att.op, "alibi_slopes", f"must be [nheads] or [batch = {len(lengths)}, nheads]",
+                      list(att.slopes.shape))
     pieces, offset = [], 0
     for b, (q1, k1) in enumerate(zip(ends_q, ends_k)):
         q0, k0 = (ends_q[b - 1], ends_k[b - 1]) if b else (0, 0)
