@@ -5,6 +5,9 @@ Torch layer (this module), CANN two-phase layer (:mod:`attngrad.aclnn`) and torc
 """
 
 from .errors import AclnnError, aclnn_error_of
+from .flash_attn_interface import (flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func,
+                                   flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                                   flash_attn_varlen_qkvpacked_func)
 from . import npu  # noqa: F401 - torch_npu names
 from .ops.exp_segsum import exp_segsum, exp_segsum_backward
 from .ops.flash_attention import flash_attention_score, flash_attention_score_grad
@@ -17,6 +20,12 @@ __all__ = [
     "aclnn_error_of",
     "exp_segsum",
     "exp_segsum_backward",
+    "flash_attn_func",
+    "flash_attn_kvpacked_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func",
     "flash_attention_score",
     "flash_attention_score_grad",
     "scaled_masked_softmax",
