@@ -19,6 +19,7 @@ from attngrad.kernels.flash_attention_plan import AttentionPlan, varlen_sparse_b
 from attngrad.kernels.flash_attention_reference import (flash_attention_backward_reference,
                                                          flash_attention_forward_reference)
 from attngrad.ops import flash_attention_varlen as varlen
+from attngrad.ops.flash_attention_core import split_kwargs
 from attngrad.precision import assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -263,9 +264,9 @@ def test_sparse_modes_per_batch(mode, tnd_kw, batch_kw):
 def test_split_modes_follow_the_plan_rule(mode):
     """The per-batch plans of modes 7/8 carry the bands of the plan module's rule ``varlen_sparse_bands``."""
     q, k, v, _ = make(Q_LENS, KV_LENS, 2, 2, 8, 8, torch.float32)
-    problem = varlen.check_forward(q, k, v, 2, "TND", actual_seq_qlen=cumulative(Q_LENS),
-                                   actual_seq_kvlen=cumulative(KV_LENS), atten_mask=CAUSAL, sparse_mode=mode,
-                                   pre_tokens=40, next_tokens=-2)
+    problem = varlen.check_forward(q, k, v, *split_kwargs(2, "TND", actual_seq_qlen=cumulative(Q_LENS),
+                                                          actual_seq_kvlen=cumulative(KV_LENS), atten_mask=CAUSAL,
+                                                          sparse_mode=mode, pre_tokens=40, next_tokens=-2))
     want = varlen_sparse_bands(mode, 40, -2, Q_LENS, KV_LENS)
     assert [(p.pre_tokens, p.next_tokens) for p in problem.plans] == want
 
