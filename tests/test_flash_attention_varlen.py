@@ -310,6 +310,40 @@ def test_pse_flattened_forms(pse_type, form):
     assert dpse.shape == flat.shape and torch.equal(dpse, torch.cat([w.reshape(-1) for w in want]))
 
 
+@pytest.mark.parametrize("pse_type,form", [(0, "BNSS"), (1, "BN1S")])
+def test_autograd_with_respect_to_pse(pse_type, form):
+    """Varlen autograd returns dpse like the dense path: against autograd of a float64 torch composition."""
+    q_lens, kv_lens, n1, scale = [5, 9], [7, 9], 4, 0.3
+    q, k, v, dy = make(q_lens, kv_lens, n1, 2, 8, 8, torch.float32, seed=21, extra=(2, 0))
+    rows = [sq if form == "BNSS" else 1 for sq in q_lens]
+    pse = torch.cat([b.reshape(-1) for b in _blocks([(n1, r, skv) for r, skv in zip(rows, kv_lens)],
+                                                    torch.float32, 22)])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, pse)]
+    out = attngrad.flash_attention_score(*leaves[:3], n1, "TND", pse=leaves[3], pse_type=pse_type,
+                                         scale_value=scale, actual_seq_qlen=cumulative(q_lens),
+                                         actual_seq_kvlen=cumulative(kv_lens))[0]
+    out.backward(dy)
+    golden = [t.double().requires_grad_() for t in (q, k, v, pse)]
+    want = torch.autograd.grad(_torch_varlen(*golden, q_lens, kv_lens, rows, pse_type, scale), golden, dy.double())
+    for leaf, w in zip(leaves, want):
+        assert_close(leaf.grad, w, torch.float32)
+
+
+def _torch_varlen(q, k, v, pse, q_lens, kv_lens, pse_rows, pse_type, scale):
+    """Plain torch composition of TND attention with a flattened float pse ([N1, rows_b, Skv_b] per batch)."""
+    n1, start, parts = q.shape[1], 0, []
+    for (q0, q1, k0, k1), rows in zip(batch_rows(q_lens, kv_lens), pse_rows):
+        bq, bk, bv = bnsd(q, q0, q1), bnsd(k, k0, k1), bnsd(v, k0, k1)
+        bk, bv = (t.repeat_interleave(n1 // k.shape[1], 1) for t in (bk, bv))
+        bias = pse[start:start + n1 * rows * (k1 - k0)].view(1, n1, rows, k1 - k0)
+        start += bias.numel()
+        qk = bq @ bk.transpose(-1, -2)
+        scores = (qk + bias) * scale if pse_type == 1 else qk * scale + bias
+        parts.append(tnd(torch.softmax(scores, -1) @ bv))
+    tail = torch.zeros(q.shape[0] - sum(q_lens), n1, v.shape[2], dtype=q.dtype)
+    return torch.cat([*parts, tail])
+
+
 @pytest.mark.parametrize("pse_type,per_batch", [(2, False), (3, True)])
 def test_pse_generated_alibi_slopes(pse_type, per_batch):
     lens = [19, 33, 7]

@@ -474,8 +474,10 @@ def run_backward(p: VarlenProblem, with_dpse: bool = False) -> tuple:
 
 # -------------------------------------------------------------------------------------------- torch
 class _VarlenFunction(torch.autograd.Function):
+    """Differentiable w.r.t. query, key, value and (pseType 0/1) pse."""
+
     @staticmethod
-    def forward(ctx, query, key, value, problem):
+    def forward(ctx, query, key, value, pse, problem):
         out, smax, ssum = forward_packed(problem)
         ctx.save_for_backward(query, key, value, out, smax, ssum)
         ctx.geo, ctx.plans, ctx.pse = problem.geo, problem.plans, problem.pse
@@ -489,19 +491,21 @@ class _VarlenFunction(torch.autograd.Function):
         query, key, value, out, smax, ssum = ctx.saved_tensors
         dy = d_out if d_out.dtype == query.dtype else d_out.to(query.dtype)
         problem = VarlenProblem(ctx.geo, ctx.plans, query, key, value, dy, out, smax, ssum, "TND", ctx.pse)
-        dq, dk, dv, _ = run_backward(problem)
-        return dq, dk, dv, None
+        dq, dk, dv, dpse = run_backward(problem, with_dpse=ctx.needs_input_grad[3])
+        return dq, dk, dv, dpse, None
 
 
 def score(query, key, value, attrs: AttentionAttrs, tensors: AttentionTensors = AttentionTensors()):
     """FlashAttentionScore in TND -> ``(attention_out [T1,N1,Dv], softmax_max, softmax_sum [T1,N1,8])``.
 
     query ``[T1,N1,D]``, key ``[T2,N2,D]``, value ``[T2,N2,Dv]`` (float32/float16/bfloat16), cumulative
-    ``attrs.actual_seq_qlen`` / ``attrs.actual_seq_kvlen``. Differentiable w.r.t. query, key, value.
+    ``attrs.actual_seq_qlen`` / ``attrs.actual_seq_kvlen``. Differentiable w.r.t. query, key, value and
+    (pseType 0/1) pse.
     """
     p = check_forward(query, key, value, attrs, tensors)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        return _VarlenFunction.apply(query, key, value, p)
+    pse_leaf = p.pse if p.pse is not None and p.pse.requires_grad else None
+    if torch.is_grad_enabled() and (pse_leaf is not None or any(t.requires_grad for t in (query, key, value))):
+        return _VarlenFunction.apply(query, key, value, pse_leaf, p)
     return run_forward(p)
 
 
