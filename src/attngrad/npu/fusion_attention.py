@@ -20,6 +20,7 @@ import numbers
 import torch
 
 from ..kernels.dropout import generate_drop_mask
+from ..kernels.flash_attention_plan import UNBOUNDED_TOKENS
 from ..ops.flash_attention import score, score_grad
 from ..ops.flash_attention_core import BATCH_DIM, SEQ_DIM, split_kwargs
 from ..validation import invalid
@@ -67,7 +68,7 @@ def _drop_mask(keep_prob, dropout_mask, seed, offset, numels):
 
 
 def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
-                         scale=1., keep_prob=1., pre_tockens=2147483647, next_tockens=2147483647,
+                         scale=1., keep_prob=1., pre_tockens=UNBOUNDED_TOKENS, next_tockens=UNBOUNDED_TOKENS,
                          inner_precise=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
                          gen_mask_parallel=True, sync=False, softmax_layout="", sink=None, dropout_mask=None,
                          seed=0, offset=0):
@@ -84,7 +85,7 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
 
 def npu_fusion_attention_v2(query, key, value, head_num, input_layout, *, pse=None, padding_mask=None,
                             atten_mask=None, query_rope=None, key_rope=None, scale=1., keep_prob=1.,
-                            pre_tokens=2147483647, next_tokens=2147483647, inner_precise=0, prefix=None,
+                            pre_tokens=UNBOUNDED_TOKENS, next_tokens=UNBOUNDED_TOKENS, inner_precise=0, prefix=None,
                             actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
                             sync=False, pse_type=1, q_start_idx=None, kv_start_idx=None, softmax_layout="",
                             sink=None, dropout_mask=None, seed=0, offset=0):
@@ -103,8 +104,8 @@ def npu_fusion_attention_v2(query, key, value, head_num, input_layout, *, pse=No
 
 def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
                               atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
-                              attention_in=None, scale_value=1., keep_prob=1., pre_tockens=2147483647,
-                              next_tockens=2147483647, inner_precise=0, seed=0, offset=0, numels=0, prefix=None,
+                              attention_in=None, scale_value=1., keep_prob=1., pre_tockens=UNBOUNDED_TOKENS,
+                              next_tockens=UNBOUNDED_TOKENS, inner_precise=0, seed=0, offset=0, numels=0, prefix=None,
                               actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
                               sync=False, softmax_layout="", sink=None):
     """torch_npu ``npu_fusion_attention_grad`` -> ``(dq, dk, dv, dpse, dsink)``:
@@ -123,7 +124,7 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
 def npu_fusion_attention_grad_v2(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
                                  atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
                                  attention_in=None, query_rope=None, key_rope=None, scale_value=1., keep_prob=1.,
-                                 pre_tokens=2147483647, next_tokens=2147483647, inner_precise=0, seed=0,
+                                 pre_tokens=UNBOUNDED_TOKENS, next_tokens=UNBOUNDED_TOKENS, inner_precise=0, seed=0,
                                  offset=0, numels=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
                                  sparse_mode=0, gen_mask_parallel=True, sync=False, pse_type=1, q_start_idx=None,
                                  kv_start_idx=None, softmax_layout="", sink=None):

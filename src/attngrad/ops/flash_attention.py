@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.flash_attention_plan import AttentionPlan
+from ..kernels.flash_attention_plan import UNBOUNDED_TOKENS, AttentionPlan
 from ..validation import check_dim_equal, invalid
 from . import flash_attention_varlen as varlen
 from .flash_attention_checks import (check_cann_sizes, check_dy_and_attention_in, check_forward_outputs,
@@ -183,7 +183,7 @@ def score_grad(query, key, value, dy, attrs: AttentionAttrs, tensors: AttentionT
 def flash_attention_score(query, key, value, head_num, input_layout, *, pse=None, drop_mask=None,
                           padding_mask=None, atten_mask=None, prefix=None, actual_seq_qlen=None,
                           actual_seq_kvlen=None, q_start_idx=None, kv_start_idx=None, scale_value=1.0,
-                          keep_prob=1.0, pre_tokens=2147483647, next_tokens=2147483647, inner_precise=0,
+                          keep_prob=1.0, pre_tokens=UNBOUNDED_TOKENS, next_tokens=UNBOUNDED_TOKENS, inner_precise=0,
                           sparse_mode=0, pse_type=1, softmax_layout=""):
     """CANN FlashAttentionScore -> ``(attention_out, softmax_max, softmax_sum)``.
 
@@ -202,7 +202,7 @@ def flash_attention_score_grad(query, key, value, dy, head_num, input_layout, *,
                                padding_mask=None, atten_mask=None, softmax_max=None, softmax_sum=None,
                                softmax_in=None, attention_in=None, prefix=None, actual_seq_qlen=None,
                                actual_seq_kvlen=None, q_start_idx=None, kv_start_idx=None, scale_value=1.0,
-                               keep_prob=1.0, pre_tokens=2147483647, next_tokens=2147483647,
+                               keep_prob=1.0, pre_tokens=UNBOUNDED_TOKENS, next_tokens=UNBOUNDED_TOKENS,
                                inner_precise=0, sparse_mode=0, pse_type=1, softmax_layout=""):
     """CANN FlashAttentionScoreGrad -> ``(dq, dk, dv, dpse)`` shaped like query, key, value (and pse).
 
