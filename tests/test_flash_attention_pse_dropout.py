@@ -15,6 +15,7 @@ from attngrad.kernels.flash_attention_reference import (dense_pse, flash_attenti
                                                         flash_attention_dpse_reference,
                                                         flash_attention_forward_reference)
 from attngrad.ops.flash_attention import check_forward, from_bnsd, to_bnsd
+from attngrad.ops.flash_attention_core import split_kwargs
 from attngrad.precision import assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -36,7 +37,7 @@ def check(layout, dtype, sq, skv, b=B, seed=0, **kw):
     out, smax, ssum = attngrad.flash_attention_score(q, k, v, N1, layout, **kw)
     dq, dk, dv, dpse = attngrad.flash_attention_score_grad(q, k, v, dy, N1, layout, softmax_max=smax,
                                                            softmax_sum=ssum, attention_in=out, **kw)
-    plan = check_forward(q, k, v, N1, layout, **kw).plan
+    plan = check_forward(q, k, v, *split_kwargs(N1, layout, **kw)).plan
     bq, bk, bv, bdy = (to_bnsd(t, layout, n) for t, n in ((q, N1), (k, N2), (v, N2), (dy, N1)))
     g_out, g_max, g_sum = flash_attention_forward_reference(bq, bk, bv, plan)
     assert_close(to_bnsd(out, layout, N1), g_out, dtype)
@@ -82,8 +83,8 @@ def test_alibi_compressed_pse(pse_type):
     q, k, v, dy = (torch.randn(1, heads, s, 8, generator=g) for _ in range(4))
     comp = torch.randn(1, heads, 1024, s, generator=g)
     triu = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
-    plan = check_forward(q, k, v, heads, "BNSD", pse=comp, pse_type=pse_type, atten_mask=triu, sparse_mode=2,
-                         scale_value=0.3).plan
+    plan = check_forward(q, k, v, *split_kwargs(heads, "BNSD", pse=comp, pse_type=pse_type, atten_mask=triu,
+                                                sparse_mode=2, scale_value=0.3)).plan
     assert plan.pse_compressed
     out, m, l = flash_attention_forward(q, k, v, plan)
     r_out, r_max, r_sum = flash_attention_forward_reference(q, k, v, plan)

@@ -19,6 +19,7 @@ from attngrad.kernels.flash_attention_plan import AttentionPlan, varlen_sparse_b
 from attngrad.kernels.flash_attention_reference import (flash_attention_backward_reference,
                                                          flash_attention_forward_reference)
 from attngrad.ops import flash_attention_varlen as varlen
+from attngrad.ops.flash_attention_core import split_kwargs
 from attngrad.precision import assert_close
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -263,9 +264,9 @@ def test_sparse_modes_per_batch(mode, tnd_kw, batch_kw):
 def test_split_modes_follow_the_plan_rule(mode):
     """The per-batch plans of modes 7/8 carry the bands of the plan module's rule ``varlen_sparse_bands``."""
     q, k, v, _ = make(Q_LENS, KV_LENS, 2, 2, 8, 8, torch.float32)
-    problem = varlen.check_forward(q, k, v, 2, "TND", actual_seq_qlen=cumulative(Q_LENS),
-                                   actual_seq_kvlen=cumulative(KV_LENS), atten_mask=CAUSAL, sparse_mode=mode,
-                                   pre_tokens=40, next_tokens=-2)
+    problem = varlen.check_forward(q, k, v, *split_kwargs(2, "TND", actual_seq_qlen=cumulative(Q_LENS),
+                                                          actual_seq_kvlen=cumulative(KV_LENS), atten_mask=CAUSAL,
+                                                          sparse_mode=mode, pre_tokens=40, next_tokens=-2))
     want = varlen_sparse_bands(mode, 40, -2, Q_LENS, KV_LENS)
     assert [(p.pre_tokens, p.next_tokens) for p in problem.plans] == want
 
@@ -307,6 +308,40 @@ def test_pse_flattened_forms(pse_type, form):
         args = (bnsd(t, *r).contiguous() for t, r in ((q, (q0, q1)), (k, (k0, k1)), (v, (k0, k1)), (dy, (q0, q1))))
         want.append(attngrad.flash_attention_score_grad(*args, 4, "BNSD", pse=block[None], pse_type=pse_type)[3])
     assert dpse.shape == flat.shape and torch.equal(dpse, torch.cat([w.reshape(-1) for w in want]))
+
+
+@pytest.mark.parametrize("pse_type,form", [(0, "BNSS"), (1, "BN1S")])
+def test_autograd_with_respect_to_pse(pse_type, form):
+    """Varlen autograd returns dpse like the dense path: against autograd of a float64 torch composition."""
+    q_lens, kv_lens, n1, scale = [5, 9], [7, 9], 4, 0.3
+    q, k, v, dy = make(q_lens, kv_lens, n1, 2, 8, 8, torch.float32, seed=21, extra=(2, 0))
+    rows = [sq if form == "BNSS" else 1 for sq in q_lens]
+    pse = torch.cat([b.reshape(-1) for b in _blocks([(n1, r, skv) for r, skv in zip(rows, kv_lens)],
+                                                    torch.float32, 22)])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, pse)]
+    out = attngrad.flash_attention_score(*leaves[:3], n1, "TND", pse=leaves[3], pse_type=pse_type,
+                                         scale_value=scale, actual_seq_qlen=cumulative(q_lens),
+                                         actual_seq_kvlen=cumulative(kv_lens))[0]
+    out.backward(dy)
+    golden = [t.double().requires_grad_() for t in (q, k, v, pse)]
+    want = torch.autograd.grad(_torch_varlen(*golden, q_lens, kv_lens, rows, pse_type, scale), golden, dy.double())
+    for leaf, w in zip(leaves, want):
+        assert_close(leaf.grad, w, torch.float32)
+
+
+def _torch_varlen(q, k, v, pse, q_lens, kv_lens, pse_rows, pse_type, scale):
+    """Plain torch composition of TND attention with a flattened float pse ([N1, rows_b, Skv_b] per batch)."""
+    n1, start, parts = q.shape[1], 0, []
+    for (q0, q1, k0, k1), rows in zip(batch_rows(q_lens, kv_lens), pse_rows):
+        bq, bk, bv = bnsd(q, q0, q1), bnsd(k, k0, k1), bnsd(v, k0, k1)
+        bk, bv = (t.repeat_interleave(n1 // k.shape[1], 1) for t in (bk, bv))
+        bias = pse[start:start + n1 * rows * (k1 - k0)].view(1, n1, rows, k1 - k0)
+        start += bias.numel()
+        qk = bq @ bk.transpose(-1, -2)
+        scores = (qk + bias) * scale if pse_type == 1 else qk * scale + bias
+        parts.append(tnd(torch.softmax(scores, -1) @ bv))
+    tail = torch.zeros(q.shape[0] - sum(q_lens), n1, v.shape[2], dtype=q.dtype)
+    return torch.cat([*parts, tail])
 
 
 @pytest.mark.parametrize("pse_type,per_batch", [(2, False), (3, True)])

@@ -1,9 +1,10 @@
 """aclnnFlashAttentionScore(V2) and aclnnFlashAttentionScoreGrad(V2): thin two-phase wrappers.
 
-Each API's parameters are listed once, in CANN's C order, as the names of CANN's docs (spec section 1; the
-forward per CANN's aclnnFlashAttentionScore[V2] docs). V2 adds ``qStartIdxOptional, kvStartIdxOptional``
-after ``prefixOptional`` and ``pseType`` after ``sparseMode``; V1 runs with pseType 1. All checks live in
-:mod:`attngrad.ops.flash_attention` (``cann_limits=True``: the forward results are required by the grad,
+Each API's parameters are listed once, in CANN's C order, as the names of CANN's aclnn docs. V2 adds
+``qStartIdxOptional, kvStartIdxOptional`` after ``prefixOptional`` and ``pseType`` after ``sparseMode``; V1
+runs with pseType 1. The arguments become the contract's ``AttentionAttrs`` and ``AttentionTensors``
+(:mod:`attngrad.ops.flash_attention_core`); all checks live in :mod:`attngrad.ops.flash_attention`
+(``cann_limits=True``: the forward results are required by the grad,
 outputs are required, all-empty grad outputs succeed). ``softmaxOutOut``, ``paddingMaskOptional``,
 ``softmaxInOptional`` and ``dpseOut`` are reserved by CANN and left untouched. :func:`forward_prepare` and
 :func:`grad_prepare` also serve the varlen APIs of :mod:`attngrad.aclnn.flash_attention_varlen`.
@@ -12,6 +13,8 @@ outputs are required, all-empty grad outputs succeed). ``softmaxOutOut``, ``padd
 from __future__ import annotations
 
 from ..ops import flash_attention as contract
+from ..ops.flash_attention_core import AttentionAttrs, AttentionTensors
+from ..ops.flash_attention_checks import FORWARD_OUTPUTS, GRAD_OUTPUTS
 from .executor import as_ints, as_torch_views, check_formats_nd, no_work, two_phase, write_output
 
 FORWARD_V2_PARAMS = ("query", "key", "value", "realShift", "dropMask", "paddingMask", "attenMask", "prefix",
@@ -24,14 +27,14 @@ GRAD_V2_PARAMS = ("query", "keyIn", "value", "dy", "pseShift", "dropMask", "padd
                   "pseType", "dqOut", "dkOut", "dvOut", "dpseOut")
 V2_ONLY_PARAMS = ("qStartIdx", "kvStartIdx", "pseType")
 
-# aclTensor parameters -> the contract's keyword (None: reserved by CANN, converted and format-checked only)
-TENSOR_KEYWORDS = {
-    "query": "query", "key": "key", "keyIn": "key", "value": "value", "dy": "dy", "realShift": "pse",
-    "pseShift": "pse", "dropMask": "drop_mask", "paddingMask": None, "attenMask": "atten_mask",
-    "softmaxMax": "softmax_max", "softmaxSum": "softmax_sum", "softmaxIn": None, "attentionIn": "attention_in",
-    "softmaxMaxOut": "softmax_max_out", "softmaxSumOut": "softmax_sum_out", "softmaxOutOut": None,
-    "attentionOutOut": "attention_out", "dqOut": "dq_out", "dkOut": "dk_out", "dvOut": "dv_out", "dpseOut": None,
-}
+# aclTensor inputs (given positionally to the contract) and outputs, by CANN name
+FORWARD_INPUTS = ("query", "key", "value")
+GRAD_INPUTS = ("query", "keyIn", "value", "dy")
+OUTPUT_TENSORS = (*FORWARD_OUTPUTS, "softmaxOutOut", *GRAD_OUTPUTS, "dpseOut")
+# optional aclTensor parameters -> the AttentionTensors field (padding_mask / softmax_in: reserved by CANN)
+TENSOR_KEYWORDS = {"realShift": "pse", "pseShift": "pse", "dropMask": "drop_mask", "paddingMask": "padding_mask",
+                   "attenMask": "atten_mask", "softmaxMax": "softmax_max", "softmaxSum": "softmax_sum",
+                   "softmaxIn": "softmax_in", "attentionIn": "attention_in"}
 # aclIntArray parameters -> the contract's keyword, in the order they are converted
 INT_ARRAY_KEYWORDS = {"actualSeqQLen": "actual_seq_qlen", "actualSeqKvLen": "actual_seq_kvlen", "prefix": "prefix",
                       "qStartIdx": "q_start_idx", "kvStartIdx": "kv_start_idx"}
@@ -45,18 +48,25 @@ def v1_params(params: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(p for p in params if p not in V2_ONLY_PARAMS)
 
 
-def _arguments(op: str, params: tuple[str, ...], args: tuple) -> tuple[dict, dict, dict]:
-    """CANN's positional arguments -> ``(given aclTensors, their torch views, the contract's keywords)``, the
+def _arguments(op: str, params: tuple[str, ...],
+               args: tuple) -> tuple[dict, dict, AttentionAttrs, AttentionTensors]:
+    """CANN's positional arguments -> ``(given aclTensors, their torch views, attrs, optional tensors)``, the
     first two by CANN name. Tensors are converted first (in C order), then the aclIntArrays."""
     if len(args) != len(params):
         raise TypeError(f"{op} takes {len(params)} arguments ({len(args)} given)")
     given = dict(zip(params, args))
-    acl_tensors = {p: v for p, v in given.items() if p in TENSOR_KEYWORDS}
+    acl_tensors = {p: v for p, v in given.items() if p in (*FORWARD_INPUTS, *GRAD_INPUTS, *OUTPUT_TENSORS,
+                                                            *TENSOR_KEYWORDS)}
     views = as_torch_views(op, acl_tensors)
-    keywords = {TENSOR_KEYWORDS[p]: t for p, t in views.items() if TENSOR_KEYWORDS[p]}
-    keywords.update((k, as_ints(op, p, given[p])) for p, k in INT_ARRAY_KEYWORDS.items() if p in given)
-    keywords.update((ATTRIBUTE_KEYWORDS[p], v) for p, v in given.items() if p in ATTRIBUTE_KEYWORDS)
-    return acl_tensors, views, keywords
+    tensors = AttentionTensors(**{TENSOR_KEYWORDS[p]: t for p, t in views.items() if p in TENSOR_KEYWORDS})
+    attributes = {k: as_ints(op, p, given[p]) for p, k in INT_ARRAY_KEYWORDS.items() if p in given}
+    attributes.update((ATTRIBUTE_KEYWORDS[p], v) for p, v in given.items() if p in ATTRIBUTE_KEYWORDS)
+    return acl_tensors, views, AttentionAttrs.from_kwargs(**attributes), tensors
+
+
+def _views(views: dict, names: tuple[str, ...]) -> tuple:
+    """The torch views of the aclTensors ``names``."""
+    return tuple(views[n] for n in names)
 
 
 def forward_prepare(contract_module, params: tuple[str, ...]):
@@ -65,8 +75,9 @@ def forward_prepare(contract_module, params: tuple[str, ...]):
     op = contract_module.FORWARD
 
     def prepare(*args):
-        acl_tensors, t, keywords = _arguments(op, params, args)
-        problem = contract_module.check_forward(**keywords, cann_limits=True)
+        acl_tensors, t, attrs, tensors = _arguments(op, params, args)
+        problem = contract_module.check_forward(*_views(t, FORWARD_INPUTS), attrs, tensors,
+                                                outputs=_views(t, FORWARD_OUTPUTS), cann_limits=True)
         check_formats_nd(op, acl_tensors)
 
         def run():
@@ -85,14 +96,15 @@ def grad_prepare(contract_module, params: tuple[str, ...]):
     op = contract_module.BACKWARD
 
     def prepare(*args):
-        acl_tensors, t, keywords = _arguments(op, params, args)
-        problem = contract_module.check_backward(**keywords, cann_limits=True)
+        acl_tensors, t, attrs, tensors = _arguments(op, params, args)
+        problem = contract_module.check_backward(*_views(t, GRAD_INPUTS), attrs, tensors,
+                                                 outputs=_views(t, GRAD_OUTPUTS), cann_limits=True)
         if problem is None:
             return no_work
         check_formats_nd(op, acl_tensors)
 
         def run():
-            for name, grad in zip(("dqOut", "dkOut", "dvOut"), contract_module.run_backward(problem)):
+            for name, grad in zip(GRAD_OUTPUTS, contract_module.run_backward(problem)):
                 write_output(t[name], grad)
         return run
     return prepare

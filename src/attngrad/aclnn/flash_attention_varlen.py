@@ -1,7 +1,6 @@
 """aclnnFlashAttentionVarLenScore(V2) and aclnnFlashAttentionUnpaddingScoreGrad(V2): thin two-phase wrappers.
 
-Parameters in CANN's C order: the forward per CANN's aclnnFlashAttentionVarLenScore[V2] docs, the grad per
-spec section 1.5: the FlashAttentionScore(Grad) order of :mod:`attngrad.aclnn.flash_attention` with
+Parameters in CANN's C order: the FlashAttentionScore(Grad) order of :mod:`attngrad.aclnn.flash_attention` with
 ``actualSeqQLenOptional, actualSeqKvLenOptional`` after ``prefixOptional`` (V2 adds ``qStartIdxOptional,
 kvStartIdxOptional`` after them and ``pseType`` after ``sparseMode``; V1 runs with pseType 1). inputLayout
 must be "TND" and softmaxMax/Sum use CANN's default data order (per-batch [N1, Sq_b, 8] blocks). All checks

@@ -1,12 +1,12 @@
 """The resolved description of one FlashAttentionScore(Grad) problem that the kernels execute.
 
-The contract (:mod:`attngrad.ops.flash_attention`) validates the user's arguments, converts the layout to
-BNSD and resolves masks, sparse modes, tokens, prefix, pse and dropout into an :class:`AttentionPlan`; the
+The contracts (on :mod:`attngrad.ops.flash_attention_core`) validate the user's arguments, convert the layout
+to BNSD and resolve masks, sparse modes, tokens, prefix, pse and dropout into an :class:`AttentionPlan`; the
 kernels and the float64 reference read only this plan and never validate. A kernel raises
 ``NotImplementedError`` for a plan feature it does not implement (nothing is ever silently ignored).
 
-The sparse-mode index rules live here too (pure functions of the sizes, no validation), so the contract,
-the varlen (TND) contract and the benchmarks share them: :func:`sparse_rule` (modes 0-6),
+The sparse-mode index rules live here too (pure functions of the sizes, no validation), so the dense and
+the varlen (TND) contracts and the benchmarks share them: :func:`sparse_rule` (modes 0-6),
 :func:`varlen_sparse_bands` (modes 7/8, per batch) and :func:`visible_pairs` (effective work).
 """
 
@@ -20,7 +20,7 @@ import torch
 UNBOUNDED_TOKENS = 2**31 - 1
 MASKED_LOGIT = -3.4028234663852886e38  # -FLT_MAX (0xFF7FFFFF): the logit of an excluded position, not -inf
 FLT_MAX = 3.4028234663852886e38        # softmax_sum of a fully masked row in invalid-row mode
-ALIBI_ROWS = 1024                      # rows of the alibi-compressed pse [B|1, N1, 1024, Skv] (spec 4.3)
+ALIBI_ROWS = 1024                      # rows of the alibi-compressed pse [B|1, N1, 1024, Skv]
 MASK_READ_MODES = (0, 1, 5)            # modes whose attenMask content is applied element-wise
 
 
@@ -85,7 +85,7 @@ def normalize_band(pre: int, nxt: int, sq: int, skv: int) -> tuple[int, int]:
 
 def sparse_rule(sparse_mode: int, pre_tokens: int, next_tokens: int, sq: int, skv: int,
                 prefix: list[int] | None = None) -> tuple[int, int, list[int] | None]:
-    """Index rule of sparse modes 0-6 (spec 3.2) for one batch geometry -> left-up ``(pre, next, prefix)``.
+    """Index rule of sparse modes 0-6 for one batch geometry -> left-up ``(pre, next, prefix)``.
 
     Key j is visible from query i iff ``i - pre <= j <= i + next`` or ``j < prefix[b]`` (then the mask of
     modes 0/1/5 is applied on top). Mode 0: the tokens as given; 1: everything; 2: ``j <= i``; 3: ``j <= i
@@ -109,7 +109,7 @@ def sparse_rule(sparse_mode: int, pre_tokens: int, next_tokens: int, sq: int, sk
 
 def varlen_sparse_bands(sparse_mode: int, pre_tokens: int, next_tokens: int, sq_lens: list[int],
                         skv_lens: list[int]) -> list[tuple[int, int]]:
-    """Per-batch left-up ``(pre, next)`` of the varlen split modes 7/8 (TND only, spec 3.2).
+    """Per-batch left-up ``(pre, next)`` of the varlen split modes 7/8 (TND only).
 
     ``sq_lens`` / ``skv_lens`` are per-batch lengths (not cumulative). The band batch (mode 7: the LAST batch
     with Sq_b != 0; mode 8: the FIRST) gets the right-down band of mode 4; the other batches get right-down
@@ -157,7 +157,7 @@ def visible_pairs(plan: AttentionPlan, b: int, n1: int, sq: int, skv: int) -> in
 
 
 def alibi_source(i: int, j: int, sq: int, skv: int) -> tuple[int, int]:
-    """(row, col) of the alibi-compressed pse ``[.., 1024, Skv]`` that holds the full pse at (i, j) (spec 4.3).
+    """(row, col) of the alibi-compressed pse ``[.., 1024, Skv]`` that holds the full pse at (i, j).
 
     Rows ``i >= Sq - 1024`` are stored as they are; earlier rows reuse the Toeplitz diagonal:
     ``m = i % 1024``, col ``Skv - (i - j) - (1024 - m)``. Defined for ``j <= i`` (the causal part the

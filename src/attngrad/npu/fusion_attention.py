@@ -1,4 +1,4 @@
-"""torch_npu's ``npu_fusion_attention(_v2)`` and ``npu_fusion_attention_grad(_v2)`` (spec section 1.6).
+"""torch_npu's ``npu_fusion_attention(_v2)`` and ``npu_fusion_attention_grad(_v2)``.
 
 Names, defaults (``pre_tockens`` / ``next_tockens`` spellings in v1) and return tuples follow torch_npu:
 the forward returns ``(attention_out, softmax_max, softmax_sum, softmax_out, seed, offset, numels)`` with an
@@ -20,7 +20,9 @@ import numbers
 import torch
 
 from ..kernels.dropout import generate_drop_mask
-from ..ops.flash_attention import BATCH_DIM, SEQ_DIM, flash_attention_score, flash_attention_score_grad
+from ..kernels.flash_attention_plan import UNBOUNDED_TOKENS
+from ..ops.flash_attention import score, score_grad
+from ..ops.flash_attention_core import BATCH_DIM, SEQ_DIM, split_kwargs
 from ..validation import invalid
 
 _FORWARD = "npu_fusion_attention"
@@ -66,8 +68,8 @@ def _drop_mask(keep_prob, dropout_mask, seed, offset, numels):
 
 
 def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, padding_mask=None, atten_mask=None,
-                         scale=1., keep_prob=1., pre_tockens=2147483647, next_tockens=2147483647, inner_precise=0,
-                         prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
+                         scale=1., keep_prob=1., pre_tockens=UNBOUNDED_TOKENS, next_tockens=UNBOUNDED_TOKENS,
+                         inner_precise=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
                          gen_mask_parallel=True, sync=False, softmax_layout="", sink=None, dropout_mask=None,
                          seed=0, offset=0):
     """torch_npu ``npu_fusion_attention`` -> ``(attention_out, softmax_max, softmax_sum, softmax_out, seed,
@@ -83,7 +85,7 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
 
 def npu_fusion_attention_v2(query, key, value, head_num, input_layout, *, pse=None, padding_mask=None,
                             atten_mask=None, query_rope=None, key_rope=None, scale=1., keep_prob=1.,
-                            pre_tokens=2147483647, next_tokens=2147483647, inner_precise=0, prefix=None,
+                            pre_tokens=UNBOUNDED_TOKENS, next_tokens=UNBOUNDED_TOKENS, inner_precise=0, prefix=None,
                             actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
                             sync=False, pse_type=1, q_start_idx=None, kv_start_idx=None, softmax_layout="",
                             sink=None, dropout_mask=None, seed=0, offset=0):
@@ -91,19 +93,19 @@ def npu_fusion_attention_v2(query, key, value, head_num, input_layout, *, pse=No
     _reject_unsupported(_FORWARD + "_v2", query_rope=query_rope, key_rope=key_rope, sink=sink)
     numels = _numels(query, key, head_num, input_layout, actual_seq_qlen, actual_seq_kvlen)
     drop_mask = _drop_mask(keep_prob, dropout_mask, seed, offset, numels)
-    out, softmax_max, softmax_sum = flash_attention_score(
-        query, key, value, head_num, input_layout, pse=pse, drop_mask=drop_mask, padding_mask=padding_mask,
-        atten_mask=atten_mask, prefix=prefix, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
-        q_start_idx=q_start_idx, kv_start_idx=kv_start_idx, scale_value=scale, keep_prob=keep_prob,
-        pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode,
-        pse_type=pse_type, softmax_layout=softmax_layout)
+    out, softmax_max, softmax_sum = score(query, key, value, *split_kwargs(
+        head_num, input_layout, pse=pse, drop_mask=drop_mask, padding_mask=padding_mask, atten_mask=atten_mask,
+        prefix=prefix, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, q_start_idx=q_start_idx,
+        kv_start_idx=kv_start_idx, scale_value=scale, keep_prob=keep_prob, pre_tokens=pre_tokens,
+        next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type,
+        softmax_layout=softmax_layout))
     return out, softmax_max, softmax_sum, _empty_like(query), seed, offset, numels
 
 
 def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
                               atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
-                              attention_in=None, scale_value=1., keep_prob=1., pre_tockens=2147483647,
-                              next_tockens=2147483647, inner_precise=0, seed=0, offset=0, numels=0, prefix=None,
+                              attention_in=None, scale_value=1., keep_prob=1., pre_tockens=UNBOUNDED_TOKENS,
+                              next_tockens=UNBOUNDED_TOKENS, inner_precise=0, seed=0, offset=0, numels=0, prefix=None,
                               actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
                               sync=False, softmax_layout="", sink=None):
     """torch_npu ``npu_fusion_attention_grad`` -> ``(dq, dk, dv, dpse, dsink)``:
@@ -122,8 +124,8 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
 def npu_fusion_attention_grad_v2(query, key, value, dy, head_num, input_layout, *, pse=None, padding_mask=None,
                                  atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
                                  attention_in=None, query_rope=None, key_rope=None, scale_value=1., keep_prob=1.,
-                                 pre_tokens=2147483647, next_tokens=2147483647, inner_precise=0, seed=0, offset=0,
-                                 numels=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
+                                 pre_tokens=UNBOUNDED_TOKENS, next_tokens=UNBOUNDED_TOKENS, inner_precise=0, seed=0,
+                                 offset=0, numels=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
                                  sparse_mode=0, gen_mask_parallel=True, sync=False, pse_type=1, q_start_idx=None,
                                  kv_start_idx=None, softmax_layout="", sink=None):
     """torch_npu ``npu_fusion_attention_grad_v2`` -> ``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)``; the drop
@@ -131,12 +133,12 @@ def npu_fusion_attention_grad_v2(query, key, value, dy, head_num, input_layout, 
     _reject_unsupported(_GRAD + "_v2", query_rope=query_rope, key_rope=key_rope, sink=sink)
     numels = numels or _numels(query, key, head_num, input_layout, actual_seq_qlen, actual_seq_kvlen)
     drop_mask = _drop_mask(keep_prob, None, seed, offset, numels)
-    dq, dk, dv, dpse = flash_attention_score_grad(
-        query, key, value, dy, head_num, input_layout, pse=pse, drop_mask=drop_mask, padding_mask=padding_mask,
-        atten_mask=atten_mask, softmax_max=softmax_max, softmax_sum=softmax_sum, softmax_in=softmax_in,
-        attention_in=attention_in, prefix=prefix, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen,
-        q_start_idx=q_start_idx, kv_start_idx=kv_start_idx, scale_value=scale_value, keep_prob=keep_prob,
-        pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode,
-        pse_type=pse_type, softmax_layout=softmax_layout)
+    dq, dk, dv, dpse = score_grad(query, key, value, dy, *split_kwargs(
+        head_num, input_layout, pse=pse, drop_mask=drop_mask, padding_mask=padding_mask, atten_mask=atten_mask,
+        softmax_max=softmax_max, softmax_sum=softmax_sum, softmax_in=softmax_in, attention_in=attention_in,
+        prefix=prefix, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, q_start_idx=q_start_idx,
+        kv_start_idx=kv_start_idx, scale_value=scale_value, keep_prob=keep_prob, pre_tokens=pre_tokens,
+        next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type,
+        softmax_layout=softmax_layout))
     empty = _empty_like(query)
     return dq, dk, dv, _empty_like(query) if dpse is None else dpse, empty, empty, empty

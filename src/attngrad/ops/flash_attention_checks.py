@@ -1,8 +1,10 @@
 """The FlashAttention checks both contracts share: :mod:`attngrad.ops.flash_attention` (BSH, SBH, BSND,
-BNSD) and :mod:`attngrad.ops.flash_attention_varlen` (TND) call these in CANN's order (spec 11.2, 11.3).
+BNSD) and :mod:`attngrad.ops.flash_attention_varlen` (TND) call these in CANN's order (see
+docs/cann-semantics.md, 'Validation order and status codes').
 
 Each check owns one rule (messages name the operator, the parameter, the rule and the value); the layout-
-specific rules (geometry, masks, pse forms, sequence lengths) stay in the two contracts.
+specific rules (geometry, masks, pse forms, sequence lengths) live in :mod:`attngrad.ops.flash_attention_core`
+and the two contracts.
 """
 
 from __future__ import annotations
@@ -20,31 +22,36 @@ CANN_MAX_HEAD_DIM = 512
 
 
 # ------------------------------------------------------------------------------------------ nulls
-def require_forward_tensors(op: str, query, key, value, softmax_max_out, softmax_sum_out, attention_out,
+FORWARD_OUTPUTS = ("softmaxMaxOut", "softmaxSumOut", "attentionOutOut")
+GRAD_OUTPUTS = ("dqOut", "dkOut", "dvOut")
+
+
+def require_forward_tensors(op: str, query, key, value, outputs: tuple,
                             cann_limits: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """query, key, value are required; with ``cann_limits`` the aclnn outputs too (161001)."""
+    """query, key, value are required; with ``cann_limits`` the aclnn ``outputs`` (softmaxMaxOut,
+    softmaxSumOut, attentionOutOut) too (161001)."""
     query, key, value = (require_tensor(op, n, t) for n, t in (("query", query), ("key", key), ("value", value)))
     if cann_limits:
-        for name, t in (("softmaxMaxOut", softmax_max_out), ("softmaxSumOut", softmax_sum_out),
-                        ("attentionOutOut", attention_out)):
+        for name, t in zip(FORWARD_OUTPUTS, outputs):
             require_tensor(op, name, t)
     return query, key, value
 
 
-def require_grad_tensors(op: str, query, key, value, dy, softmax_max, softmax_sum, attention_in, dq_out, dk_out,
-                         dv_out, cann_limits: bool) -> tuple[tuple[torch.Tensor, ...], bool, bool]:
+def require_grad_tensors(op: str, inputs: tuple, saved: tuple, outputs: tuple,
+                         cann_limits: bool) -> tuple[tuple[torch.Tensor, ...], bool, bool]:
     """The grad's nulls in CANN's order -> ``((query, key, value, dy), saved, nothing_to_do)``.
 
-    ``saved``: the forward results are given (see :func:`check_saved`). With ``cann_limits`` dqOut, dkOut,
-    dvOut are required and ``nothing_to_do`` is True when all three are empty (CANN: success, no work).
+    ``inputs``: (query, key, value, dy); ``saved``: (softmax_max, softmax_sum, attention_in), the returned
+    ``saved`` tells whether they are given (see :func:`check_saved`). With ``cann_limits`` the ``outputs``
+    dqOut, dkOut, dvOut are required and ``nothing_to_do`` is True when all three are empty (CANN: success,
+    no work).
     """
-    tensors = tuple(require_tensor(op, n, t) for n, t in
-                    (("query", query), ("key", key), ("value", value), ("dy", dy)))
-    saved = check_saved(op, softmax_max, softmax_sum, attention_in, cann_limits)
+    tensors = tuple(require_tensor(op, n, t) for n, t in zip(("query", "key", "value", "dy"), inputs))
+    given = check_saved(op, *saved, cann_limits)
     if not cann_limits:
-        return tensors, saved, False
-    outs = [require_tensor(op, n, t) for n, t in (("dqOut", dq_out), ("dkOut", dk_out), ("dvOut", dv_out))]
-    return tensors, saved, all(t.numel() == 0 for t in outs)
+        return tensors, given, False
+    outs = [require_tensor(op, n, t) for n, t in zip(GRAD_OUTPUTS, outputs)]
+    return tensors, given, all(t.numel() == 0 for t in outs)
 
 
 def check_saved(op: str, softmax_max, softmax_sum, attention_in, cann_limits: bool) -> bool:
@@ -58,7 +65,7 @@ def check_saved(op: str, softmax_max, softmax_sum, attention_in, cann_limits: bo
 
 
 def absent(t) -> bool:
-    """CANN treats a missing or 0-dim optional tensor as absent (spec 11.2 step 8)."""
+    """CANN treats a missing or 0-dim optional tensor as absent."""
     return t is None or (isinstance(t, torch.Tensor) and t.dim() == 0)
 
 
@@ -81,7 +88,7 @@ def check_head_num(op: str, head_num) -> int:
 
 
 def check_pse_type(op: str, pse_type) -> int:
-    """pseType: 0, 1, 2 or 3 (spec 4)."""
+    """pseType: 0, 1, 2 or 3 (see docs/cann-semantics.md, 'Position shift (pse)')."""
     pse_type = check_int(op, "pseType", pse_type)
     check_range(op, "pseType", pse_type, 0, 3)
     return pse_type
@@ -118,13 +125,13 @@ def check_dy_and_attention_in(op: str, query, dy, attention_in, dy_shape: tuple[
 
 
 def check_cann_sizes(op: str, n1: int, d: int) -> None:
-    """Seed 004's documented ranges: N 1~256, D 1~512 (A2/A3)."""
+    """CANN's documented ranges on A2/A3: N 1~256, D 1~512."""
     check_range(op, "headNum", n1, 1, CANN_MAX_HEADS)
     check_range(op, "query D axis", d, 1, CANN_MAX_HEAD_DIM)
 
 
 def check_drop_mask(op: str, drop_mask, elements: int, formula: str) -> None:
-    """keepProb < 1 needs a UINT8 bit mask of at least ceil(elements / 8) bytes (spec 7.2); ``formula``
+    """keepProb < 1 needs a UINT8 bit mask of at least ceil(elements / 8) bytes; ``formula``
     names ``elements`` in the message."""
     require_tensor(op, "dropMask", drop_mask)
     check_dtype(op, "dropMask", drop_mask, (torch.uint8,))
@@ -143,18 +150,17 @@ def check_output(op: str, name: str, t, shape, dtype: torch.dtype) -> None:
     check_output_view(op, name, t)
 
 
-def check_forward_outputs(op: str, softmax_max_out, softmax_sum_out, attention_out, stats_shape, out_shape,
-                          dtype: torch.dtype) -> None:
-    """The forward's aclnn outputs: softmaxMax/SumOut float32 ``stats_shape``, attentionOutOut ``out_shape``
-    in query's ``dtype``."""
-    for name, t in (("softmaxMaxOut", softmax_max_out), ("softmaxSumOut", softmax_sum_out)):
-        check_output(op, name, t, stats_shape, torch.float32)
-    check_output(op, "attentionOutOut", attention_out, out_shape, dtype)
+def check_forward_outputs(op: str, outputs: tuple, stats_shape, out_shape, dtype: torch.dtype) -> None:
+    """The forward's aclnn ``outputs``: softmaxMaxOut / softmaxSumOut float32 ``stats_shape``,
+    attentionOutOut ``out_shape`` in query's ``dtype``."""
+    for name, t, shape, want in zip(FORWARD_OUTPUTS, outputs, (stats_shape, stats_shape, out_shape),
+                                    (torch.float32, torch.float32, dtype)):
+        check_output(op, name, t, shape, want)
 
 
-def check_grad_outputs(op: str, dq_out, dk_out, dv_out, query, key, value) -> None:
-    """The grad's aclnn outputs: dqOut / dkOut / dvOut have query's / key's / value's shape and dtype."""
-    for name, t, ref in (("dqOut", dq_out, query), ("dkOut", dk_out, key), ("dvOut", dv_out, value)):
+def check_grad_outputs(op: str, outputs: tuple, query, key, value) -> None:
+    """The grad's aclnn ``outputs``: dqOut / dkOut / dvOut have query's / key's / value's shape and dtype."""
+    for name, t, ref in zip(GRAD_OUTPUTS, outputs, (query, key, value)):
         check_output(op, name, t, ref.shape, ref.dtype)
 
 

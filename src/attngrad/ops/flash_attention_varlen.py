@@ -1,21 +1,23 @@
-"""Contract of the varlen (TND) FlashAttentionScore / FlashAttentionScoreGrad (spec sections 1.5, 5.2, 8, 11).
+"""Contract of the varlen (TND) FlashAttentionScore / FlashAttentionScoreGrad (see docs/cann-semantics.md,
+'Varlen (TND)').
 
 Layout TND: query ``[T1, N1, D]``, key ``[T2, N2, D]``, value ``[T2, N2, Dv]``, dy / attention_in / out
 ``[T1, N1, Dv]``. ``actual_seq_qlen`` / ``actual_seq_kvlen`` are CUMULATIVE end offsets (list of int or 1-D
 integer tensor), equal length: batch b owns query rows ``[cum_q[b-1], cum_q[b])`` and key rows
 ``[cum_kv[b-1], cum_kv[b])`` and is its own ``Sq_b x Skv_b`` attention problem. Zero-length batches are
-allowed; trailing entries where both arrays are 0 disable those batches; T may exceed the totals (the tail
-rule of spec 8). Rows beyond the totals get zero output and zero gradient.
+allowed; trailing entries where both arrays are 0 disable those batches; T may exceed the totals (when
+both T1 and T2 do, the last entries of both arrays must be 0). Rows beyond the totals get zero output and
+zero gradient.
 
-Each batch runs through the BNSD kernels of :mod:`attngrad.ops.flash_attention` on views of the packed
+Each batch runs through the BNSD kernels of :mod:`attngrad.ops.flash_attention_core` on views of the packed
 tensors (``query[q0:q1]`` is ``[Sq_b, N1, D]`` -> ``[1, N1, Sq_b, D]``); nothing is padded to the longest
-sequence. The per-batch :class:`AttentionPlan` comes from the contract's ``resolve_plan`` with the batch's
+sequence. The per-batch :class:`AttentionPlan` comes from the core's ``resolve_plan`` with the batch's
 own geometry, so masks, sparse modes (right-down shifts by ``Skv_b - Sq_b``), pse and dropout follow the
 core exactly and are supported (or refused with 161002 "not supported yet") exactly as the core does.
-The TND-only rules live here: the SS / compressed mask forms (3.1), sparse modes 7 and 8 (3.2: the band
-batch is the last (7) / first (8) batch with ``Sq_b != 0``; it runs as mode 4, the others as mode 3 / 2),
-the flattened 1-D pse forms and per-batch slopes (4.4), the per-batch dropout bit blocks (7.2: batch b
-starts at bit ``N1 * sum_{b'<b} Sq_b' Skv_b'``), and the sequence-length checks (8, 11.2 step 7).
+The TND-only rules live here: the SS / compressed mask forms, sparse modes 7 and 8 (the band batch is
+the last (7) / first (8) batch with ``Sq_b != 0``; it runs as mode 4, the others as mode 3 / 2), the
+flattened 1-D pse forms and per-batch slopes, the per-batch dropout bit blocks (batch b starts at bit
+``N1 * sum_{b'<b} Sq_b' Skv_b'``), and the sequence-length checks.
 
 softmax_max / softmax_sum: float32 ``[T1, N1, 8]`` (8 equal copies). ``softmax_layout`` selects the data
 order: ``""`` (CANN's default) stores batch b as a contiguous ``[N1, Sq_b, 8]`` block at row offset
@@ -34,12 +36,13 @@ import numpy as np
 import torch
 
 from ..errors import ACLNN_ERR_PARAM_NULLPTR, AclnnError
-from ..kernels.flash_attention_plan import ALIBI_ROWS, UNBOUNDED_TOKENS, AttentionPlan
+from ..kernels.flash_attention_plan import ALIBI_ROWS, AttentionPlan
 from ..kernels.tensor_view import new_output
 from ..validation import (MASK_DTYPES, check_choice, check_dtype, check_float, check_int, check_int_list,
                           check_range, check_rank, invalid, require_tensor)
-from .flash_attention import (COMPRESSED_MASK, STATS_COPIES, Geometry, Problem, backward_kernel, forward_kernel,
-                              geometry, has_float_pse, resolve_plan, stats8)
+from .flash_attention_core import (COMPRESSED_MASK, STATS_COPIES, AttentionAttrs, AttentionTensors, Geometry,
+                                   Problem, backward_kernel, forward_kernel, geometry, has_float_pse, resolve_plan,
+                                   stats8)
 from .flash_attention_checks import (absent, check_cann_sizes, check_drop_mask, check_dy_and_attention_in,
                                      check_forward_outputs, check_grad_outputs, check_head_num, check_input_layout,
                                      check_pse_type, check_tensors, require_forward_tensors,
@@ -136,7 +139,7 @@ def _check_cumulative(op: str, name: str, cum: list[int]) -> None:
 
 def _check_seq_lens(op: str, t1: int, t2: int, actual_seq_qlen, actual_seq_kvlen,
                     cann_limits: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Spec 8 / 11.2 step 7: equal counts, cumulative, totals within T, tail rule. Returns the active ends.
+    """Equal counts, cumulative, totals within T, tail rule. Returns the active ends.
 
     Trailing entries where both arrays are 0 disable their batches (stripped). T1 >= sum Sq_b and
     T2 >= sum Skv_b; when BOTH exceed their totals the last entries of both arrays must be 0.
@@ -163,23 +166,24 @@ def _check_seq_lens(op: str, t1: int, t2: int, actual_seq_qlen, actual_seq_kvlen
     return tuple(q[:active]), tuple(kv[:active])
 
 
-def _check_tnd_inputs(op: str, head_num: int, query, key, value, actual_seq_qlen, actual_seq_kvlen, dy=None,
-                      attention_in=None, cann_limits: bool = False) -> VarlenGeometry:
-    """dtype, rank 3, shape agreement and head geometry (the core's rules on TND seen as BSND with B = 1),
-    then the sequence lengths."""
+def _check_tnd_inputs(op: str, head_num: int, inputs: tuple, attrs: AttentionAttrs, attention_in=None,
+                      cann_limits: bool = False) -> VarlenGeometry:
+    """dtype, rank 3, shape agreement and head geometry of ``inputs`` = (query, key, value) or (query, key,
+    value, dy) (the core's rules on TND seen as BSND with B = 1), then the sequence lengths of ``attrs``."""
+    query, key, value, dy = inputs if len(inputs) == 4 else (*inputs, None)
     check_tensors(op, 3, query, key, value, dy, attention_in)
     base = geometry(op, "BSND", head_num, query[None], key[None], value[None])
     check_dy_and_attention_in(op, query, dy, attention_in, (query.shape[0], base.n1, base.dv))
     if cann_limits:
         check_cann_sizes(op, base.n1, base.d)
-    cum_q, cum_kv = _check_seq_lens(op, query.shape[0], key.shape[0], actual_seq_qlen, actual_seq_kvlen,
-                                    cann_limits)
+    cum_q, cum_kv = _check_seq_lens(op, query.shape[0], key.shape[0], attrs.actual_seq_qlen,
+                                    attrs.actual_seq_kvlen, cann_limits)
     return VarlenGeometry(query.shape[0], key.shape[0], base.n1, base.n2, base.d, base.dv, cum_q, cum_kv)
 
 
 # ----------------------------------------------------------------------------- per-batch plan inputs
 def _check_sparse_mode(op: str, sparse_mode) -> int:
-    """TND sparse modes: 0~8 except 5 (spec 1.5; prefix mode 5 has no TND form)."""
+    """TND sparse modes: 0~8 except 5 (prefix mode 5 has no TND form)."""
     sparse_mode = check_int(op, "sparseMode", sparse_mode)
     check_range(op, "sparseMode", sparse_mode, 0, 8)
     if sparse_mode == 5:
@@ -190,7 +194,7 @@ def _check_sparse_mode(op: str, sparse_mode) -> int:
 
 def _check_tnd_mask(op: str, mask: torch.Tensor, geo: VarlenGeometry, sparse_mode: int) -> torch.Tensor:
     """TND attenMask: the SS form ``[maxSq, maxSkv]`` (modes 0/1) or the compressed ``[2048, 2048]``
-    (``[3072, 2048]`` for mode 6), 2-D or ``[1, 1, ., .]`` (spec 3.1). Returns it as a [1, 1, ., .] view."""
+    (``[3072, 2048]`` for mode 6), 2-D or ``[1, 1, ., .]``. Returns it as a [1, 1, ., .] view."""
     check_dtype(op, "attenMask", mask, MASK_DTYPES)
     check_rank(op, "attenMask", mask, (2, 4))
     expected = COMPRESSED_MASK.get(sparse_mode, geo.max_lengths)
@@ -216,7 +220,7 @@ def _band_batch(geo: VarlenGeometry, sparse_mode: int) -> int | None:
 
 def _batch_mode(b: int, sparse_mode: int, band_batch: int | None, has_mask: bool) -> int:
     """Mode 7 (8): the band batch is a right-down band (mode 4), the others right-down (left-up) causal
-    (modes 3 / 2). Without attenMask every mode means full attention (spec 3.1), as mode 0."""
+    (modes 3 / 2). Without attenMask every mode means full attention, as mode 0."""
     if sparse_mode not in SPLIT_MODES:
         return sparse_mode
     if not has_mask:
@@ -226,7 +230,7 @@ def _batch_mode(b: int, sparse_mode: int, band_batch: int | None, has_mask: bool
 
 def _check_tnd_pse(op: str, pse: torch.Tensor, geo: VarlenGeometry, pse_type: int, sparse_mode: int,
                    start_shift: int) -> None:
-    """TND pse forms (spec 4.3-4.5). pseType 0/1: 1-D ``[N1 * sum Skv_b]`` (per batch [N1, Skv_b], rows
+    """TND pse forms. pseType 0/1: 1-D ``[N1 * sum Skv_b]`` (per batch [N1, Skv_b], rows
     broadcast), 1-D ``[N1 * sum Sq_b Skv_b]`` (per batch [N1, Sq_b, Skv_b]) or the alibi-compressed
     ``[B|1, N1, 1024, maxSkv]`` (needs Sq_b == Skv_b); pseType 2/3: slopes ``[N1]`` / ``[B, N1]``. Not with
     sparse mode 7 nor a zero-length query batch; mode 8 with slopes needs ``actualSeqQLen[0] -
@@ -279,40 +283,38 @@ def _batch_drop_mask(drop_mask: torch.Tensor, geo: VarlenGeometry, b: int) -> to
     return torch.from_numpy(np.packbits(bits, bitorder="little"))
 
 
-def _resolve_plans(op: str, geo: VarlenGeometry, dtype: torch.dtype, *, scale_value, keep_prob, pre_tokens,
-                   next_tokens, inner_precise, sparse_mode, pse_type, atten_mask, pse, drop_mask, prefix,
-                   q_start_idx, kv_start_idx) -> list[AttentionPlan]:
+def _resolve_plans(op: str, geo: VarlenGeometry, dtype: torch.dtype, attrs: AttentionAttrs,
+                   tensors: AttentionTensors) -> list[AttentionPlan]:
     """The TND rules, then the core's ``resolve_plan`` once per batch on that batch's own geometry and
     slices. With no active batch, one empty batch validates the attributes."""
-    sparse_mode = _check_sparse_mode(op, sparse_mode)
-    pse_type = check_pse_type(op, pse_type)
-    keep_prob = check_float(op, "keepProb", keep_prob)
+    sparse_mode = _check_sparse_mode(op, attrs.sparse_mode)
+    pse_type = check_pse_type(op, attrs.pse_type)
+    keep_prob = check_float(op, "keepProb", attrs.keep_prob)
+    atten_mask, pse, drop_mask = tensors.atten_mask, tensors.pse, tensors.drop_mask
     mask = None
     if not absent(atten_mask):
         mask = _check_tnd_mask(op, require_tensor(op, "attenMask", atten_mask), geo, sparse_mode)
     if not absent(pse):
-        starts = [(check_int_list(op, n, v) or [0])[0] for n, v in (("qStartIdx", q_start_idx), ("kvStartIdx",
-                                                                                           kv_start_idx))]
+        starts = [(check_int_list(op, n, v) or [0])[0] for n, v in (("qStartIdx", attrs.q_start_idx),
+                                                                   ("kvStartIdx", attrs.kv_start_idx))]
         _check_tnd_pse(op, require_tensor(op, "pse", pse), geo, pse_type, sparse_mode, starts[0] - starts[1])
     dropout = keep_prob < 1.0
     if dropout:
         check_drop_mask(op, drop_mask, geo.score_offset(geo.batch_count), "N1 * sum Sq_b*Skv_b / 8")
-    prefix = check_int_list(op, "prefix", prefix)
+    prefix = check_int_list(op, "prefix", attrs.prefix)
     if prefix is not None and mask is not None and sparse_mode == 6 and len(prefix) < geo.batch_count:
         raise invalid(op, "prefix", f"must have an entry per batch ({geo.batch_count}) for sparseMode 6",
                       len(prefix))
     if geo.batch_count == 0:
         geo = VarlenGeometry(geo.t1, geo.t2, geo.n1, geo.n2, geo.d, geo.dv, (0,), (0,))
     band_batch = _band_batch(geo, sparse_mode)
-    return [resolve_plan(op, geo.batch_geometry(b), dtype, scale_value=scale_value, keep_prob=keep_prob,
-                         pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise,
-                         sparse_mode=_batch_mode(b, sparse_mode, band_batch, mask is not None),
-                         pse_type=pse_type,
-                         atten_mask=_batch_mask(mask, geo, b, sparse_mode),
-                         pse=None if absent(pse) else _batch_pse(pse, geo, b, pse_type).contiguous(),
-                         drop_mask=_batch_drop_mask(drop_mask, geo, b) if dropout else drop_mask,
-                         prefix=None if prefix is None or b >= len(prefix) else [prefix[b]],
-                         q_start_idx=q_start_idx, kv_start_idx=kv_start_idx)
+    checked = dataclasses.replace(attrs, keep_prob=keep_prob, pse_type=pse_type)
+    return [resolve_plan(op, geo.batch_geometry(b), dtype, dataclasses.replace(
+                checked, sparse_mode=_batch_mode(b, sparse_mode, band_batch, mask is not None),
+                prefix=None if prefix is None or b >= len(prefix) else (prefix[b],)),
+            tensors._replace(atten_mask=_batch_mask(mask, geo, b, sparse_mode),
+                             pse=None if absent(pse) else _batch_pse(pse, geo, b, pse_type).contiguous(),
+                             drop_mask=_batch_drop_mask(drop_mask, geo, b) if dropout else drop_mask))
             for b in range(geo.batch_count)]
 
 
@@ -374,64 +376,50 @@ class VarlenProblem:
 
 
 # ------------------------------------------------------------------------------------------- checks
-def check_forward(query, key, value, head_num, input_layout, *, actual_seq_qlen=None, actual_seq_kvlen=None,
-                  pse=None, drop_mask=None, atten_mask=None, prefix=None, q_start_idx=None, kv_start_idx=None,
-                  scale_value=1.0, keep_prob=1.0, pre_tokens=UNBOUNDED_TOKENS, next_tokens=UNBOUNDED_TOKENS,
-                  inner_precise=0, sparse_mode=0, pse_type=1, softmax_layout="", softmax_max_out=None,
-                  softmax_sum_out=None, attention_out=None, cann_limits=False) -> VarlenProblem:
-    """Validate FlashAttentionVarLenScore (TND) in CANN's order; ``*_out``: the aclnn outputs."""
+def check_forward(query, key, value, attrs: AttentionAttrs, tensors: AttentionTensors = AttentionTensors(), *,
+                  outputs: tuple = (None, None, None), cann_limits: bool = False) -> VarlenProblem:
+    """Validate FlashAttentionVarLenScore (TND) in CANN's order; ``outputs``: the aclnn (softmaxMaxOut,
+    softmaxSumOut, attentionOutOut), checked with ``cann_limits``."""
     op = FORWARD
-    check_input_layout(op, input_layout, ("TND",))  # spec 11.2 step 1
-    query, key, value = require_forward_tensors(op, query, key, value, softmax_max_out, softmax_sum_out,
-                                                attention_out, cann_limits)
-    head_num = check_head_num(op, head_num)
-    softmax_layout = _check_softmax_layout(op, softmax_layout)
-    geo = _check_tnd_inputs(op, head_num, query, key, value, actual_seq_qlen, actual_seq_kvlen,
-                            cann_limits=cann_limits)
+    check_input_layout(op, attrs.input_layout, ("TND",))  # CANN checks the layout first
+    query, key, value = require_forward_tensors(op, query, key, value, outputs, cann_limits)
+    head_num = check_head_num(op, attrs.head_num)
+    softmax_layout = _check_softmax_layout(op, attrs.softmax_layout)
+    geo = _check_tnd_inputs(op, head_num, (query, key, value), attrs, cann_limits=cann_limits)
     if cann_limits:
-        check_forward_outputs(op, softmax_max_out, softmax_sum_out, attention_out, geo.stats_shape,
-                              (geo.t1, geo.n1, geo.dv), query.dtype)
-    plans = _resolve_plans(op, geo, query.dtype, scale_value=scale_value, keep_prob=keep_prob,
-                           pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise,
-                           sparse_mode=sparse_mode, pse_type=pse_type, atten_mask=atten_mask, pse=pse,
-                           drop_mask=drop_mask, prefix=prefix, q_start_idx=q_start_idx, kv_start_idx=kv_start_idx)
+        check_forward_outputs(op, outputs, geo.stats_shape, (geo.t1, geo.n1, geo.dv), query.dtype)
+    plans = _resolve_plans(op, geo, query.dtype, attrs, tensors)
     return VarlenProblem(geo, plans, query, key, value, softmax_layout=softmax_layout,
-                         pse=pse if has_float_pse(plans[0]) else None)
+                         pse=tensors.pse if has_float_pse(plans[0]) else None)
 
 
-def check_backward(query, key, value, dy, head_num, input_layout, *, actual_seq_qlen=None, actual_seq_kvlen=None,
-                   pse=None, drop_mask=None, atten_mask=None, softmax_max=None, softmax_sum=None,
-                   attention_in=None, prefix=None, q_start_idx=None, kv_start_idx=None, scale_value=1.0,
-                   keep_prob=1.0, pre_tokens=UNBOUNDED_TOKENS, next_tokens=UNBOUNDED_TOKENS, inner_precise=0,
-                   sparse_mode=0, pse_type=1, softmax_layout="", dq_out=None, dk_out=None, dv_out=None,
-                   cann_limits=False) -> VarlenProblem | None:
-    """Validate FlashAttentionUnpaddingScoreGrad (TND) in CANN's order (spec 11.2, 11.3).
+def check_backward(query, key, value, dy, attrs: AttentionAttrs, tensors: AttentionTensors = AttentionTensors(),
+                   *, outputs: tuple = (None, None, None), cann_limits: bool = False) -> VarlenProblem | None:
+    """Validate FlashAttentionUnpaddingScoreGrad (TND) in CANN's order.
 
     Torch layer: softmax_max, softmax_sum and attention_in all None -> recomputed per batch; some -> 161001.
-    With ``cann_limits`` they and dq/dk/dv are required, and None is returned when dq/dk/dv are all empty.
+    With ``cann_limits`` they and the ``outputs`` (dqOut, dkOut, dvOut) are required, and None is returned
+    when dq/dk/dv are all empty.
     """
     op = BACKWARD
-    check_input_layout(op, input_layout, ("TND",))  # spec 11.2 step 1
-    (query, key, value, dy), saved, nothing_to_do = require_grad_tensors(
-        op, query, key, value, dy, softmax_max, softmax_sum, attention_in, dq_out, dk_out, dv_out, cann_limits)
+    check_input_layout(op, attrs.input_layout, ("TND",))  # CANN checks the layout first
+    saved = (tensors.softmax_max, tensors.softmax_sum, tensors.attention_in)
+    inputs, given, nothing_to_do = require_grad_tensors(op, (query, key, value, dy), saved, outputs, cann_limits)
     if nothing_to_do:
         return None
-    head_num = check_head_num(op, head_num)
-    softmax_layout = _check_softmax_layout(op, softmax_layout)
-    geo = _check_tnd_inputs(op, head_num, query, key, value, actual_seq_qlen, actual_seq_kvlen, dy,
-                            attention_in, cann_limits)
+    query, key, value, dy = inputs
+    head_num = check_head_num(op, attrs.head_num)
+    softmax_layout = _check_softmax_layout(op, attrs.softmax_layout)
+    geo = _check_tnd_inputs(op, head_num, inputs, attrs, tensors.attention_in, cann_limits)
     if cann_limits:
-        check_grad_outputs(op, dq_out, dk_out, dv_out, query, key, value)
-    plans = _resolve_plans(op, geo, query.dtype, scale_value=scale_value, keep_prob=keep_prob,
-                           pre_tokens=pre_tokens, next_tokens=next_tokens, inner_precise=inner_precise,
-                           sparse_mode=sparse_mode, pse_type=pse_type, atten_mask=atten_mask, pse=pse,
-                           drop_mask=drop_mask, prefix=prefix, q_start_idx=q_start_idx, kv_start_idx=kv_start_idx)
+        check_grad_outputs(op, outputs, query, key, value)
+    plans = _resolve_plans(op, geo, query.dtype, attrs, tensors)
     problem = VarlenProblem(geo, plans, query, key, value, dy, softmax_layout=softmax_layout,
-                            pse=pse if has_float_pse(plans[0]) else None)
-    if saved:
-        problem.softmax_max, problem.softmax_sum = saved_stats(op, softmax_max, softmax_sum, geo.stats_shape,
-                                                               geo.stats_rule)
-        problem.out = attention_in
+                            pse=tensors.pse if has_float_pse(plans[0]) else None)
+    if given:
+        problem.softmax_max, problem.softmax_sum = saved_stats(op, tensors.softmax_max, tensors.softmax_sum,
+                                                               geo.stats_shape, geo.stats_rule)
+        problem.out = tensors.attention_in
     return problem
 
 
@@ -460,18 +448,18 @@ def run_forward(p: VarlenProblem) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return out, _pack_stats(smax, p.softmax_layout, p.geo), _pack_stats(ssum, p.softmax_layout, p.geo)
 
 
-def run_backward(p: VarlenProblem) -> tuple:
+def run_backward(p: VarlenProblem, with_dpse: bool = False) -> tuple:
     """Per-batch grad (recomputing out and stats by :func:`forward_packed` when absent): ``(dq, dk, dv, dpse)``
     shaped like query, key, value, each batch written in place (rows beyond the totals, queries of batches
-    without keys and keys of batches without queries get 0: spec 11.4) and, for a float pse (pseType 0/1),
-    dpse in the pse's TND form (batch b's gradient added at the place it was read from, so a shared
-    compressed alibi sums its batches); else dpse is None."""
+    without keys and keys of batches without queries get 0, as in CANN) and, with ``with_dpse`` for a float
+    pse (pseType 0/1), dpse in the pse's TND form (batch b's gradient added at the place it was read from, so
+    a shared compressed alibi sums its batches); else dpse is None."""
     geo = p.geo
     if p.out is None:
         out, smax, ssum = forward_packed(p)
         p = dataclasses.replace(p, out=out, softmax_max=smax, softmax_sum=ssum, softmax_layout="TND")
     dq, dk, dv = (new_output(t.shape, p.query.dtype) for t in (p.query, p.key, p.value))
-    dpse = None if p.pse is None else torch.zeros(p.pse.shape, dtype=p.pse.dtype)
+    dpse = torch.zeros(p.pse.shape, dtype=p.pse.dtype) if with_dpse and p.pse is not None else None
     total_q, total_kv = (geo.cum_q[-1], geo.cum_kv[-1]) if geo.batch_count else (0, 0)
     for grad, total in ((dq, total_q), (dk, total_kv), (dv, total_kv)):
         grad[total:].zero_()
@@ -486,8 +474,10 @@ def run_backward(p: VarlenProblem) -> tuple:
 
 # -------------------------------------------------------------------------------------------- torch
 class _VarlenFunction(torch.autograd.Function):
+    """Differentiable w.r.t. query, key, value and (pseType 0/1) pse."""
+
     @staticmethod
-    def forward(ctx, query, key, value, problem):
+    def forward(ctx, query, key, value, pse, problem):
         out, smax, ssum = forward_packed(problem)
         ctx.save_for_backward(query, key, value, out, smax, ssum)
         ctx.geo, ctx.plans, ctx.pse = problem.geo, problem.plans, problem.pse
@@ -501,50 +491,29 @@ class _VarlenFunction(torch.autograd.Function):
         query, key, value, out, smax, ssum = ctx.saved_tensors
         dy = d_out if d_out.dtype == query.dtype else d_out.to(query.dtype)
         problem = VarlenProblem(ctx.geo, ctx.plans, query, key, value, dy, out, smax, ssum, "TND", ctx.pse)
-        dq, dk, dv, _ = run_backward(problem)
-        return dq, dk, dv, None
+        dq, dk, dv, dpse = run_backward(problem, with_dpse=ctx.needs_input_grad[3])
+        return dq, dk, dv, dpse, None
 
 
-def flash_attention_score(query, key, value, head_num, input_layout="TND", *, actual_seq_qlen=None,
-                          actual_seq_kvlen=None, pse=None, drop_mask=None, padding_mask=None, atten_mask=None,
-                          prefix=None, q_start_idx=None, kv_start_idx=None, scale_value=1.0, keep_prob=1.0,
-                          pre_tokens=UNBOUNDED_TOKENS, next_tokens=UNBOUNDED_TOKENS, inner_precise=0,
-                          sparse_mode=0, pse_type=1, softmax_layout=""):
+def score(query, key, value, attrs: AttentionAttrs, tensors: AttentionTensors = AttentionTensors()):
     """FlashAttentionScore in TND -> ``(attention_out [T1,N1,Dv], softmax_max, softmax_sum [T1,N1,8])``.
 
     query ``[T1,N1,D]``, key ``[T2,N2,D]``, value ``[T2,N2,Dv]`` (float32/float16/bfloat16), cumulative
-    ``actual_seq_qlen`` / ``actual_seq_kvlen``. Differentiable w.r.t. query, key, value. ``padding_mask`` is
-    reserved (unused, as in CANN).
+    ``attrs.actual_seq_qlen`` / ``attrs.actual_seq_kvlen``. Differentiable w.r.t. query, key, value and
+    (pseType 0/1) pse.
     """
-    p = check_forward(query, key, value, head_num, input_layout, actual_seq_qlen=actual_seq_qlen,
-                      actual_seq_kvlen=actual_seq_kvlen, pse=pse, drop_mask=drop_mask, atten_mask=atten_mask,
-                      prefix=prefix, q_start_idx=q_start_idx, kv_start_idx=kv_start_idx, scale_value=scale_value,
-                      keep_prob=keep_prob, pre_tokens=pre_tokens, next_tokens=next_tokens,
-                      inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type,
-                      softmax_layout=softmax_layout)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
-        return _VarlenFunction.apply(query, key, value, p)
+    p = check_forward(query, key, value, attrs, tensors)
+    pse_leaf = p.pse if p.pse is not None and p.pse.requires_grad else None
+    if torch.is_grad_enabled() and (pse_leaf is not None or any(t.requires_grad for t in (query, key, value))):
+        return _VarlenFunction.apply(query, key, value, pse_leaf, p)
     return run_forward(p)
 
 
-def flash_attention_score_grad(query, key, value, dy, head_num, input_layout="TND", *, actual_seq_qlen=None,
-                               actual_seq_kvlen=None, pse=None, drop_mask=None, padding_mask=None,
-                               atten_mask=None, softmax_max=None, softmax_sum=None, softmax_in=None,
-                               attention_in=None, prefix=None, q_start_idx=None, kv_start_idx=None,
-                               scale_value=1.0, keep_prob=1.0, pre_tokens=UNBOUNDED_TOKENS,
-                               next_tokens=UNBOUNDED_TOKENS, inner_precise=0, sparse_mode=0, pse_type=1,
-                               softmax_layout=""):
+def score_grad(query, key, value, dy, attrs: AttentionAttrs, tensors: AttentionTensors = AttentionTensors()):
     """FlashAttentionUnpaddingScoreGrad (TND) -> ``(dq, dk, dv, dpse)`` shaped like query, key, value.
 
     dy / attention_in ``[T1,N1,Dv]``; softmax_max / softmax_sum float32 ``[T1,N1,8]`` in ``softmax_layout``
     order, used as given; all three None -> recomputed per batch (attngrad extension). ``dpse``: for a
     float pse (pseType 0/1) its gradient in the pse's TND form (attngrad extension), else None.
     """
-    p = check_backward(query, key, value, dy, head_num, input_layout, actual_seq_qlen=actual_seq_qlen,
-                       actual_seq_kvlen=actual_seq_kvlen, pse=pse, drop_mask=drop_mask, atten_mask=atten_mask,
-                       softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=attention_in, prefix=prefix,
-                       q_start_idx=q_start_idx, kv_start_idx=kv_start_idx, scale_value=scale_value,
-                       keep_prob=keep_prob, pre_tokens=pre_tokens, next_tokens=next_tokens,
-                       inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type,
-                       softmax_layout=softmax_layout)
-    return run_backward(p)
+    return run_backward(check_backward(query, key, value, dy, attrs, tensors), with_dpse=True)
