@@ -120,3 +120,157 @@ def test_bad_input_under_compile_raises_the_eager_error(case):
     found = aclnn_error_of(info.value)
     assert found is not None, f"no AclnnError in the chain of {type(info.value).__name__}: {info.value}"
     assert (found.status, str(found)) == (expected.status, str(expected))
+
+
+# ------------------------------------------------------------------------------------------ flash attention
+def _rope(x, base: float = 10000.0):
+    """Rotary embedding of x [B, S, N, D] (pairs of halves), as a model would apply it before attention."""
+    s, d = x.shape[1], x.shape[3]
+    freq = base ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angle = torch.arange(s, dtype=torch.float32)[:, None] * freq
+    cos, sin = angle.cos()[None, :, None], angle.sin()[None, :, None]
+    x1, x2 = x.float().chunk(2, -1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], -1).to(x.dtype)
+
+
+class _AttentionBlock(torch.nn.Module):
+    """A GQA causal attention block with RoPE on attngrad's FlashAttentionScore, in one of five variants:
+    'causal' (sparse mode 3), 'alibi' (generated pse, pse_type 2), 'pse' (a learnable dense bias, pse_type 1),
+    'dropout' (keep_prob 0.9 with a fixed drop mask) and 'tnd' (two packed documents, varlen)."""
+
+    def __init__(self, variant: str, width=64, heads=4, kv_heads=2, seq=32):
+        super().__init__()
+        self.variant, self.heads, self.kv_heads, self.dim = variant, heads, kv_heads, width // heads
+        self.qkv = torch.nn.Linear(width, (heads + 2 * kv_heads) * self.dim, bias=False)
+        self.out = torch.nn.Linear(heads * self.dim, width, bias=False)
+        self.register_buffer("mask", torch.ones(2048, 2048, dtype=torch.bool).triu(1), persistent=False)
+        self.register_buffer("slopes", 2.0 ** (-torch.arange(1, heads + 1, dtype=torch.float32)), persistent=False)
+        self.pse = torch.nn.Parameter(0.1 * torch.randn(1, heads, seq, seq))
+        bits = torch.Generator().manual_seed(1)
+        self.register_buffer("drop", torch.randint(0, 256, (2 * heads * seq * seq // 8,), dtype=torch.uint8,
+                                                   generator=bits), persistent=False)
+        self.register_buffer("cu", torch.tensor([seq // 4, seq], dtype=torch.int64), persistent=False)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, -1, self.dim).split([self.heads, self.kv_heads, self.kv_heads], 2)
+        q, k = _rope(q), _rope(k)
+        kw = dict(atten_mask=self.mask, sparse_mode=3, scale_value=self.dim ** -0.5)
+        if self.variant == "alibi":
+            kw.update(pse=self.slopes, pse_type=2)
+        elif self.variant == "pse":
+            kw.update(pse=self.pse.to(q.dtype), pse_type=1)
+        elif self.variant == "dropout":
+            kw.update(drop_mask=self.drop, keep_prob=0.9)
+        if self.variant == "tnd":  # the batch is one packed row of documents [0, s/4) and [s/4, s)
+            out = attngrad.flash_attention_score(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), self.heads,
+                                                 "TND", actual_seq_qlen=self.cu, actual_seq_kvlen=self.cu, **kw)[0]
+        else:
+            out = attngrad.flash_attention_score(q, k, v, self.heads, "BSND", **kw)[0]
+        return self.out(out.reshape(b, s, -1))
+
+
+def _block_step(block, x):
+    x = x.detach().clone().requires_grad_()
+    y = block(x)
+    y.float().square().mean().backward()
+    grads = [p.grad.clone() for p in block.parameters() if p.grad is not None]
+    block.zero_grad(set_to_none=True)
+    return [y, x.grad, *grads]
+
+
+@pytest.mark.parametrize("variant", ["causal", "alibi", "pse", "dropout", "tnd"])
+def test_compiled_attention_block_is_bitwise_eager(variant):
+    """aot_eager runs the same aten ops as eager around attngrad's ops, so the whole step is bitwise equal."""
+    torch._dynamo.reset()
+    block = _AttentionBlock(variant)
+    batch = 1 if variant == "tnd" else 2
+    compiled = torch.compile(block, fullgraph=True, dynamic=True, backend="aot_eager")
+    x = torch.randn(batch, 32, 64)
+    for got, want in zip(_block_step(compiled, x), _block_step(block, x)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_inductor_attention_block_matches_eager():
+    torch._dynamo.reset()
+    block = _AttentionBlock("causal").to(torch.bfloat16)
+    compiled = torch.compile(block, fullgraph=True)
+    x = torch.randn(2, 32, 64, dtype=torch.bfloat16)
+    for got, want in zip(_block_step(compiled, x), _block_step(block, x)):
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_inductor_flash_attention_is_bitwise_eager(dynamic):
+    torch._dynamo.reset()
+    mask = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
+
+    def attention(q, k, v):
+        return attngrad.flash_attention_score(q, k, v, 4, "BNSD", atten_mask=mask, sparse_mode=3,
+                                             scale_value=0.25)[0]
+
+    compiled = torch.compile(attention, fullgraph=True, dynamic=dynamic)
+    for seq in (24, 40):
+        q, k, v = (_rand(1, n, seq, 16, dtype=torch.bfloat16) for n in (4, 2, 2))
+
+        def step(fn):
+            leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+            out = fn(*leaves)
+            out.backward(torch.ones_like(out))
+            return [out, *(t.grad for t in leaves)]
+
+        for got, want in zip(step(compiled), step(attention)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_export_attention_block():
+    block = _AttentionBlock("tnd").eval()
+    x = torch.randn(1, 32, 64)
+    program = torch.export.export(block, (x,))
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert "attngrad.flash_attention_score.default" in targets
+    torch.testing.assert_close(program.module()(x), block(x), rtol=0, atol=0)
+
+
+def _attention_cases():
+    """(name, dtype, query, key, value, dy, public keyword arguments) for opcheck: the layouts, GQA, Dv < D, masks,
+    a dense pse with its gradient, generated alibi, dropout and TND."""
+    mask = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
+    for dtype in DTYPES:
+        q, k, v = _rand(2, 4, 16, 8, dtype=dtype), _rand(2, 2, 24, 8, dtype=dtype), _rand(2, 2, 24, 4, dtype=dtype)
+        dy = _rand(2, 4, 16, 4, dtype=dtype)
+        yield "BNSD gqa dv<d", dtype, q, k, v, dy, dict(head_num=4, input_layout="BNSD", scale_value=0.3)
+        yield "BSH causal", dtype, *(t.transpose(1, 2).flatten(2) for t in (q, k[:, :, :16], v[:, :, :16], dy)), dict(
+            head_num=4, input_layout="BSH", atten_mask=mask, sparse_mode=3)
+        yield "pse dense", dtype, q, k, v, dy, dict(head_num=4, input_layout="BNSD", pse=_rand(1, 4, 16, 24, dtype=dtype),
+                                                   pse_type=1, atten_mask=torch.rand(2, 1, 16, 24) > 0.8)
+    q, k, v, dy = (_rand(1, 4, 32, 8) for _ in range(4))
+    slopes = torch.rand(4)
+    drop = torch.randint(0, 256, (4 * 32 * 32 // 8,), dtype=torch.uint8)
+    yield "alibi + dropout", torch.float32, q, k, v, dy, dict(head_num=4, input_layout="BNSD", pse=slopes, pse_type=2,
+                                                             keep_prob=0.9, drop_mask=drop)
+    tq, tk, tv, tdy = (t[0].transpose(0, 1) for t in (q, k, v, dy))
+    yield "TND", torch.float32, tq, tk, tv, tdy, dict(head_num=4, input_layout="TND", atten_mask=mask, sparse_mode=3,
+                                                     actual_seq_qlen=torch.tensor([10, 32]),
+                                                     actual_seq_kvlen=torch.tensor([12, 32]))
+
+
+@pytest.mark.parametrize("case", list(_attention_cases()), ids=lambda c: f"{c[0]}-{c[1]}".replace("torch.", ""))
+def test_opcheck_flash_attention(case):
+    from attngrad.ops.flash_attention import score_grad_op_args, score_op_args
+    from attngrad.ops.flash_attention_core import split_kwargs
+
+    _, _, q, k, v, dy, kwargs = case
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    pse = kwargs.get("pse")
+    if pse is not None and kwargs.get("pse_type") == 1:
+        pse.requires_grad_()
+    ops = torch.ops.attngrad
+    opcheck(ops.flash_attention_score.default, score_op_args(*leaves, *split_kwargs(**kwargs)))
+    with torch.no_grad():  # the grad op has no autograd formula of its own: no input may require grad
+        out, smax, ssum = attngrad.flash_attention_score(*leaves, **kwargs)
+    grad_kwargs = dict(kwargs, softmax_max=smax, softmax_sum=ssum, attention_in=out)
+    if pse is not None:
+        grad_kwargs["pse"] = pse.detach()
+    opcheck(ops.flash_attention_score_grad.default,
+            score_grad_op_args(*(t.detach() for t in leaves), dy, *split_kwargs(**grad_kwargs)))

@@ -145,11 +145,16 @@ def check_int_list(op: str, name: str, values) -> list[int] | None:
     if values is None:
         return None
     if isinstance(values, torch.Tensor):
-        if values.device.type != "cpu" or values.dim() > 1 or values.dtype.is_floating_point \
-                or values.dtype.is_complex or values.dtype == torch.bool:
-            raise invalid(op, name, "must be a 1-D integer list (or CPU integer tensor)",
-                          f"{values.dim()}-D {values.dtype} on {values.device}")
-        values = values.tolist()
+        values = check_int_tensor(op, name, values).tolist()
     if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
         raise invalid(op, name, "must be a list of integers", repr(values))
     return [check_int(op, name, v) for v in values]
+
+
+def check_int_tensor(op: str, name: str, values: torch.Tensor) -> torch.Tensor:
+    """An integer list given as a tensor: 1-D (or 0-D), on the CPU, of an integer dtype (values not read)."""
+    if values.device.type != "cpu" or values.dim() > 1 or values.dtype.is_floating_point \
+            or values.dtype.is_complex or values.dtype == torch.bool:
+        raise invalid(op, name, "must be a 1-D integer list (or CPU integer tensor)",
+                      f"{values.dim()}-D {values.dtype} on {values.device}")
+    return values

@@ -31,10 +31,10 @@ import torch
 from ..kernels.flash_attention_plan import UNBOUNDED_TOKENS, AttentionPlan
 from ..validation import check_dim_equal, invalid
 from . import flash_attention_varlen as varlen
-from .flash_attention_checks import (check_cann_sizes, check_dy_and_attention_in, check_forward_outputs,
+from .flash_attention_checks import (absent, check_cann_sizes, check_dy_and_attention_in, check_forward_outputs,
                                      check_grad_outputs, check_head_num, check_input_layout, check_tensors,
                                      require_forward_tensors, require_grad_tensors, saved_stats)
-from .flash_attention_core import (BATCH_DIM, AttentionAttrs, AttentionTensors, Geometry, Problem,
+from .flash_attention_core import (BATCH_DIM, STATS_COPIES, AttentionAttrs, AttentionTensors, Geometry, Problem,
                                    backward_kernel, forward_kernel, from_bnsd, geometry, has_float_pse,
                                    resolve_plan, split_kwargs, stats8, to_bnsd)
 
@@ -137,47 +137,176 @@ def run_backward(p: Problem, with_dpse: bool = False) -> tuple:
     return (*(from_bnsd(g, p.geo.layout) for g in grads), dpse)
 
 
-class _FlashAttentionFunction(torch.autograd.Function):
-    """Differentiable w.r.t. query, key, value and (pseType 0/1) pse."""
+# ------------------------------------------------------------------------------- custom ops (torch.library)
+# The two operators are torch.library custom ops: their eager kernels validate and run the contract (dense or
+# TND), their fake kernels run the same validation and compute the result shapes, so models calling them
+# compile (fullgraph, dynamic shapes) and export. TND sequence lengths are tensors in the schema: under
+# torch.compile they are graph inputs, and the checks that read their values run in the eager kernel.
+_ATTRIBUTES = ("int head_num, str input_layout, float scale_value, float keep_prob, int pre_tokens, int next_tokens, "
+               "int inner_precise, int sparse_mode, int pse_type, str softmax_layout, int[]? prefix, "
+               "int[]? q_start_idx, int[]? kv_start_idx")
+_ATTRIBUTE_NAMES = tuple(item.split()[-1] for item in _ATTRIBUTES.split(", "))
+_SEQ_LENGTHS = ("actual_seq_qlen", "actual_seq_kvlen")
 
-    @staticmethod
-    def forward(ctx, query, key, value, pse, problem):
-        out, m, s = forward_kernel(problem)
-        ctx.save_for_backward(query, key, value, out, m, s)
-        ctx.geo, ctx.plan = problem.geo, problem.plan
-        m8, s8 = stats8(m), stats8(s)
-        ctx.mark_non_differentiable(m8, s8)
-        return from_bnsd(out, problem.geo.layout), m8, s8
 
-    @staticmethod
-    def backward(ctx, d_out, _d_max, _d_sum):
-        query, key, value, out, m, s = ctx.saved_tensors
-        dy = d_out if d_out.dtype == query.dtype else d_out.to(query.dtype)
-        problem = _problem(ctx.geo, ctx.plan, query, key, value, dy)
-        problem.out, problem.softmax_max, problem.softmax_sum = out, m, s
-        dq, dk, dv, dpse = run_backward(problem, with_dpse=ctx.needs_input_grad[3])
-        return dq, dk, dv, dpse, None
+def _parsed(attributes: tuple, seq_lengths: tuple, **tensors) -> tuple[AttentionAttrs, AttentionTensors]:
+    """The ops' flat arguments -> ``(attrs, tensors)`` for the contracts."""
+    attrs = AttentionAttrs.from_kwargs(**dict(zip(_ATTRIBUTE_NAMES, attributes)),
+                                       **dict(zip(_SEQ_LENGTHS, seq_lengths)))
+    return attrs, AttentionTensors(**tensors)
+
+
+def _stats_like(query: torch.Tensor, shape) -> torch.Tensor:
+    return query.new_empty(shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("attngrad::flash_attention_score", mutates_args=(), schema=(
+    "(Tensor query, Tensor key, Tensor value, Tensor? pse, Tensor? drop_mask, Tensor? atten_mask, "
+    f"Tensor? actual_seq_qlen, Tensor? actual_seq_kvlen, {_ATTRIBUTES}) -> (Tensor, Tensor, Tensor)"))
+def _score_op(query, key, value, pse, drop_mask, atten_mask, seq_q, seq_kv, *attributes):
+    attrs, tensors = _parsed(attributes, (seq_q, seq_kv), pse=pse, drop_mask=drop_mask, atten_mask=atten_mask)
+    if attrs.input_layout == "TND":
+        return varlen.run_forward(varlen.check_forward(query, key, value, attrs, tensors))
+    return run_forward(check_forward(query, key, value, attrs, tensors))
+
+
+@_score_op.register_fake
+def _score_fake(query, key, value, pse, drop_mask, atten_mask, seq_q, seq_kv, *attributes):
+    attrs, tensors = _parsed(attributes, (None, None), pse=pse, drop_mask=drop_mask, atten_mask=atten_mask)
+    if attrs.input_layout == "TND":
+        t1, n1, dv = varlen.check_without_lengths(query, key, value, None, attrs, (seq_q, seq_kv))
+        return query.new_empty(t1, n1, dv), _stats_like(query, (t1, n1, STATS_COPIES)), \
+            _stats_like(query, (t1, n1, STATS_COPIES))
+    geo = check_forward(query, key, value, attrs, tensors).geo
+    return (query.new_empty(_layout_shape(geo, geo.n1, geo.sq, geo.dv)), _stats_like(query, geo.stats_shape),
+            _stats_like(query, geo.stats_shape))
+
+
+@torch.library.custom_op("attngrad::flash_attention_score_grad", mutates_args=(), schema=(
+    "(Tensor query, Tensor key, Tensor value, Tensor dy, Tensor? pse, Tensor? drop_mask, Tensor? atten_mask, "
+    "Tensor? softmax_max, Tensor? softmax_sum, Tensor? attention_in, Tensor? actual_seq_qlen, "
+    f"Tensor? actual_seq_kvlen, {_ATTRIBUTES}, bool with_dpse) -> (Tensor, Tensor, Tensor, Tensor)"))
+def _score_grad_op(query, key, value, dy, pse, drop_mask, atten_mask, softmax_max, softmax_sum, attention_in,
+                   seq_q, seq_kv, *attributes_and_flag):
+    *attributes, with_dpse = attributes_and_flag
+    attrs, tensors = _parsed(attributes, (seq_q, seq_kv), pse=pse, drop_mask=drop_mask, atten_mask=atten_mask,
+                             softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=attention_in)
+    with_dpse = with_dpse and _float_pse(attrs, tensors)
+    if attrs.input_layout == "TND":
+        dq, dk, dv, dpse = varlen.run_backward(varlen.check_backward(query, key, value, dy, attrs, tensors),
+                                               with_dpse)
+    else:
+        dq, dk, dv, dpse = run_backward(check_backward(query, key, value, dy, attrs, tensors), with_dpse)
+    return dq, dk, dv, query.new_empty(0) if dpse is None else dpse
+
+
+@_score_grad_op.register_fake
+def _score_grad_fake(query, key, value, dy, pse, drop_mask, atten_mask, softmax_max, softmax_sum, attention_in,
+                     seq_q, seq_kv, *attributes_and_flag):
+    *attributes, with_dpse = attributes_and_flag
+    attrs, tensors = _parsed(attributes, (None, None), pse=pse, drop_mask=drop_mask, atten_mask=atten_mask,
+                             softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=attention_in)
+    if attrs.input_layout == "TND":
+        varlen.check_without_lengths(query, key, value, dy, attrs, (seq_q, seq_kv))
+    else:
+        check_backward(query, key, value, dy, attrs, tensors)
+    dpse = pse.new_empty(pse.shape) if with_dpse and _float_pse(attrs, tensors) else query.new_empty(0)
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dpse
+
+
+def _float_pse(attrs: AttentionAttrs, tensors: AttentionTensors) -> bool:
+    """A pse tensor of pseType 0/1: the case where the grad returns dpse (an extension of CANN)."""
+    return not absent(tensors.pse) and attrs.pse_type in (0, 1)
+
+
+def _save_score(ctx, inputs, output):
+    query, key, value, pse, drop_mask, atten_mask, seq_q, seq_kv, *attributes = inputs
+    ctx.save_for_backward(query, key, value, pse, drop_mask, atten_mask, seq_q, seq_kv, *output)
+    ctx.mark_non_differentiable(*output[1:])  # softmax_max / softmax_sum
+    ctx.attributes = attributes
+
+
+def _differentiate_score(ctx, d_out, _d_max, _d_sum):
+    """dq, dk, dv (and dpse for a pseType 0/1 pse) by the grad op on the saved output and statistics (the same
+    drop mask); d_out is cast to query's dtype."""
+    query, key, value, pse, drop_mask, atten_mask, seq_q, seq_kv, out, smax, ssum = ctx.saved_tensors
+    with_dpse = ctx.needs_input_grad[3] and ctx.attributes[_ATTRIBUTE_NAMES.index("pse_type")] in (0, 1)
+    dq, dk, dv, dpse = _score_grad_op(query, key, value, d_out.to(query.dtype), pse, drop_mask, atten_mask, smax,
+                                      ssum, out, seq_q, seq_kv, *ctx.attributes, with_dpse)
+    return dq, dk, dv, dpse if with_dpse else None, *(None,) * (4 + len(ctx.attributes))
+
+
+_score_op.register_autograd(_differentiate_score, setup_context=_save_score)
 
 
 # -------------------------------------------------------------------------------------------- torch
+def _op_arguments(attrs: AttentionAttrs, tensors: AttentionTensors, required: tuple, check) -> tuple | None:
+    """The ops' flat scalar arguments and sequence-length tensors from parsed public arguments.
+
+    A value the schema cannot carry (a tensor that is not one, an attribute of another type) goes to the
+    contract's ``check`` first, so the caller gets CANN's error in CANN's order; values the contract accepts in
+    another form (numpy integers, int lists) are converted."""
+    scalars = tuple(getattr(attrs, name) for name in _ATTRIBUTE_NAMES)
+    seq = tuple(getattr(attrs, name) for name in _SEQ_LENGTHS)
+    if not (_schema_ready(scalars, seq) and all(isinstance(t, torch.Tensor) for t in required)
+            and all(t is None or isinstance(t, torch.Tensor) for t in tensors)):
+        check()
+    kinds = (int, str, float, float, int, int, int, int, int, str, tuple, tuple, tuple)
+    scalars = tuple(("" if v is None else v) if kind is str else (v if v is None else kind(v))
+                    for kind, v in zip(kinds, scalars))
+    if attrs.input_layout != "TND":  # only TND reads the sequence lengths
+        return scalars, (None, None)
+    return scalars, tuple(v if v is None or isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.int64)
+                          for v in seq)
+
+
+def _schema_ready(scalars: tuple, seq: tuple) -> bool:
+    """True when every attribute already has the schema's type (ints not bools, reals, strings, int tuples)."""
+    def integer(v):
+        return isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63
+
+    def array(v):
+        return v is None or (isinstance(v, tuple) and all(integer(x) for x in v))
+
+    ints = (scalars[0], *scalars[4:9])
+    reals = scalars[2:4]
+    return (all(integer(v) for v in ints) and all(integer(v) or isinstance(v, float) for v in reals)
+            and isinstance(scalars[1], str) and isinstance(scalars[9], str) and all(array(v) for v in scalars[10:])
+            and all(v is None or isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and array(tuple(v)))
+                    for v in seq))
+
+
+def score_op_args(query, key, value, attrs: AttentionAttrs, tensors: AttentionTensors = AttentionTensors()) -> tuple:
+    """The ``attngrad::flash_attention_score`` op's arguments for parsed public arguments."""
+    def check():
+        (varlen.check_forward if attrs.input_layout == "TND" else check_forward)(query, key, value, attrs, tensors)
+
+    scalars, seq = _op_arguments(attrs, tensors, (query, key, value), check)
+    return (query, key, value, tensors.pse, tensors.drop_mask, tensors.atten_mask, *seq, *scalars)
+
+
+def score_grad_op_args(query, key, value, dy, attrs: AttentionAttrs,
+                       tensors: AttentionTensors = AttentionTensors()) -> tuple:
+    """The ``attngrad::flash_attention_score_grad`` op's arguments for parsed public arguments (with dpse)."""
+    def check():
+        contract = varlen.check_backward if attrs.input_layout == "TND" else check_backward
+        contract(query, key, value, dy, attrs, tensors)
+
+    scalars, seq = _op_arguments(attrs, tensors, (query, key, value, dy), check)
+    return (query, key, value, dy, tensors.pse, tensors.drop_mask, tensors.atten_mask, tensors.softmax_max,
+            tensors.softmax_sum, tensors.attention_in, *seq, *scalars, True)
+
+
 def score(query, key, value, attrs: AttentionAttrs, tensors: AttentionTensors = AttentionTensors()):
-    """:func:`flash_attention_score` on parsed arguments (TND: :func:`attngrad.ops.flash_attention_varlen.score`)."""
-    if attrs.input_layout == "TND":
-        return varlen.score(query, key, value, attrs, tensors)
-    p = check_forward(query, key, value, attrs, tensors)
-    differentiable = [t for t in (query, key, value) if t.requires_grad]
-    pse_leaf = tensors.pse if has_float_pse(p.plan) and tensors.pse.requires_grad else None
-    if torch.is_grad_enabled() and (differentiable or pse_leaf is not None):
-        return _FlashAttentionFunction.apply(query, key, value, pse_leaf, p)
-    return run_forward(p)
+    """:func:`flash_attention_score` on parsed arguments: the ``attngrad::flash_attention_score`` op."""
+    return _score_op(*score_op_args(query, key, value, attrs, tensors))
 
 
 def score_grad(query, key, value, dy, attrs: AttentionAttrs, tensors: AttentionTensors = AttentionTensors()):
-    """:func:`flash_attention_score_grad` on parsed arguments (TND: the varlen contract)."""
-    if attrs.input_layout == "TND":
-        return varlen.score_grad(query, key, value, dy, attrs, tensors)
-    p = check_backward(query, key, value, dy, attrs, tensors)
-    return run_backward(p, with_dpse=has_float_pse(p.plan))
+    """:func:`flash_attention_score_grad` on parsed arguments: the ``attngrad::flash_attention_score_grad`` op;
+    dpse is None unless pse is a pseType 0/1 tensor."""
+    dq, dk, dv, dpse = _score_grad_op(*score_grad_op_args(query, key, value, dy, attrs, tensors))
+    return dq, dk, dv, dpse if _float_pse(attrs, tensors) else None
 
 
 def flash_attention_score(query, key, value, head_num, input_layout, *, pse=None, drop_mask=None,
@@ -194,8 +323,12 @@ def flash_attention_score(query, key, value, head_num, input_layout, *, pse=None
     Differentiable w.r.t. query, key, value and (pseType 0/1) pse: the backward is FlashAttentionScoreGrad's
     kernel on the saved out and stats (the same drop mask). ``padding_mask`` is reserved (unused, as in CANN).
     """
-    keywords = locals()  # every name after value is an AttentionAttrs / AttentionTensors field
-    return score(*(keywords.pop(name) for name in ("query", "key", "value")), *split_kwargs(**keywords))
+    return score(query, key, value, *split_kwargs(
+        head_num, input_layout, pse=pse, drop_mask=drop_mask, padding_mask=padding_mask, atten_mask=atten_mask,
+        prefix=prefix, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, q_start_idx=q_start_idx,
+        kv_start_idx=kv_start_idx, scale_value=scale_value, keep_prob=keep_prob, pre_tokens=pre_tokens,
+        next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type,
+        softmax_layout=softmax_layout))
 
 
 def flash_attention_score_grad(query, key, value, dy, head_num, input_layout, *, pse=None, drop_mask=None,
@@ -213,5 +346,10 @@ def flash_attention_score_grad(query, key, value, dy, head_num, input_layout, *,
     positions), else None. TND: see :mod:`attngrad.ops.flash_attention_varlen`. ``softmax_in`` /
     ``padding_mask`` are reserved (unused, as in CANN).
     """
-    keywords = locals()  # every name after dy is an AttentionAttrs / AttentionTensors field
-    return score_grad(*(keywords.pop(name) for name in ("query", "key", "value", "dy")), *split_kwargs(**keywords))
+    return score_grad(query, key, value, dy, *split_kwargs(
+        head_num, input_layout, pse=pse, drop_mask=drop_mask, padding_mask=padding_mask, atten_mask=atten_mask,
+        softmax_max=softmax_max, softmax_sum=softmax_sum, softmax_in=softmax_in, attention_in=attention_in,
+        prefix=prefix, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, q_start_idx=q_start_idx,
+        kv_start_idx=kv_start_idx, scale_value=scale_value, keep_prob=keep_prob, pre_tokens=pre_tokens,
+        next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type,
+        softmax_layout=softmax_layout))

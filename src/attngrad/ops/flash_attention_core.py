@@ -41,14 +41,15 @@ COMPRESSED_MASK = {2: (2048, 2048), 3: (2048, 2048), 4: (2048, 2048), 6: (3072, 
 
 
 # ------------------------------------------------------------------------------------------ arguments
-INT_ARRAYS = ("prefix", "q_start_idx", "kv_start_idx", "actual_seq_qlen", "actual_seq_kvlen")
+INT_ARRAYS = ("prefix", "q_start_idx", "kv_start_idx")
 
 
 @dataclass(frozen=True)
 class AttentionAttrs:
     """The scalar arguments of FlashAttentionScore(Grad), named as the public keywords, stored unchecked.
 
-    Scalars, strings and int arrays as tuples of ints (None = absent); a value of the wrong kind is kept as
+    Scalars, strings and int arrays as tuples of ints (None = absent; the TND sequence lengths stay as given,
+    so that a tensor reaches the custom op as a tensor); a value of the wrong kind is kept as
     given so that the check reading it reports it at its place in CANN's order.
     """
 
@@ -65,8 +66,8 @@ class AttentionAttrs:
     prefix: tuple[int, ...] | None = None
     q_start_idx: tuple[int, ...] | None = None
     kv_start_idx: tuple[int, ...] | None = None
-    actual_seq_qlen: tuple[int, ...] | None = None
-    actual_seq_kvlen: tuple[int, ...] | None = None
+    actual_seq_qlen: object = None    # TND's cumulative lengths as given: int list or 1-D integer tensor
+    actual_seq_kvlen: object = None
 
     @classmethod
     def from_kwargs(cls, head_num, input_layout, **attributes) -> AttentionAttrs:

@@ -38,7 +38,7 @@ import torch
 from ..errors import ACLNN_ERR_PARAM_NULLPTR, AclnnError
 from ..kernels.flash_attention_plan import ALIBI_ROWS, AttentionPlan
 from ..kernels.tensor_view import new_output
-from ..validation import (MASK_DTYPES, check_choice, check_dtype, check_float, check_int, check_int_list,
+from ..validation import (MASK_DTYPES, check_choice, check_dtype, check_float, check_int, check_int_list, check_int_tensor,
                           check_range, check_rank, invalid, require_tensor)
 from .flash_attention_core import (COMPRESSED_MASK, STATS_COPIES, AttentionAttrs, AttentionTensors, Geometry,
                                    Problem, backward_kernel, forward_kernel, geometry, has_float_pse, resolve_plan,
@@ -166,19 +166,46 @@ def _check_seq_lens(op: str, t1: int, t2: int, actual_seq_qlen, actual_seq_kvlen
     return tuple(q[:active]), tuple(kv[:active])
 
 
-def _check_tnd_inputs(op: str, head_num: int, inputs: tuple, attrs: AttentionAttrs, attention_in=None,
-                      cann_limits: bool = False) -> VarlenGeometry:
+def _check_tnd_tensors(op: str, head_num: int, inputs: tuple, attention_in=None, cann_limits: bool = False):
     """dtype, rank 3, shape agreement and head geometry of ``inputs`` = (query, key, value) or (query, key,
-    value, dy) (the core's rules on TND seen as BSND with B = 1), then the sequence lengths of ``attrs``."""
+    value, dy): the core's rules on TND seen as BSND with B = 1. Returns that BSND geometry."""
     query, key, value, dy = inputs if len(inputs) == 4 else (*inputs, None)
     check_tensors(op, 3, query, key, value, dy, attention_in)
     base = geometry(op, "BSND", head_num, query[None], key[None], value[None])
     check_dy_and_attention_in(op, query, dy, attention_in, (query.shape[0], base.n1, base.dv))
     if cann_limits:
         check_cann_sizes(op, base.n1, base.d)
+    return base
+
+
+def _check_tnd_inputs(op: str, head_num: int, inputs: tuple, attrs: AttentionAttrs, attention_in=None,
+                      cann_limits: bool = False) -> VarlenGeometry:
+    """:func:`_check_tnd_tensors`, then the sequence lengths of ``attrs``."""
+    query, key, value = inputs[:3]
+    base = _check_tnd_tensors(op, head_num, inputs, attention_in, cann_limits)
     cum_q, cum_kv = _check_seq_lens(op, query.shape[0], key.shape[0], attrs.actual_seq_qlen,
                                     attrs.actual_seq_kvlen, cann_limits)
     return VarlenGeometry(query.shape[0], key.shape[0], base.n1, base.n2, base.d, base.dv, cum_q, cum_kv)
+
+
+def check_without_lengths(query, key, value, dy, attrs: AttentionAttrs, seq_lengths: tuple) -> tuple[int, int, int]:
+    """The checks that do not read the values of the sequence lengths, in CANN's order, for the custom ops' fake
+    kernels (under torch.compile the lengths are graph inputs without values): the layouts, the tensors and
+    their geometry, and the lengths as 1-D integer tensors of equal size. Returns ``(T1, N1, Dv)``."""
+    op = FORWARD if dy is None else BACKWARD
+    check_input_layout(op, attrs.input_layout, ("TND",))
+    inputs = (query, key, value) if dy is None else (query, key, value, dy)
+    head_num = check_head_num(op, attrs.head_num)
+    _check_softmax_layout(op, attrs.softmax_layout)
+    base = _check_tnd_tensors(op, head_num, inputs)
+    for name, lengths in zip(("actualSeqQLen", "actualSeqKvLen"), seq_lengths):
+        if lengths is None:
+            _seq_list(op, name, None)
+        check_int_tensor(op, name, lengths)
+    if seq_lengths[0].numel() != seq_lengths[1].numel():
+        raise invalid(op, "actualSeqKvLen", f"must have as many entries as actualSeqQLen "
+                      f"({seq_lengths[0].numel()})", seq_lengths[1].numel())
+    return query.shape[0], base.n1, base.dv
 
 
 # ----------------------------------------------------------------------------- per-batch plan inputs
@@ -470,50 +497,3 @@ def run_backward(p: VarlenProblem, with_dpse: bool = False) -> tuple:
         if dpse is not None and q1 > q0 and k1 > k0:
             _batch_pse(dpse, geo, b, p.plans[b].pse_type).add_(batch_dpse)
     return dq, dk, dv, dpse
-
-
-# -------------------------------------------------------------------------------------------- torch
-class _VarlenFunction(torch.autograd.Function):
-    """Differentiable w.r.t. query, key, value and (pseType 0/1) pse."""
-
-    @staticmethod
-    def forward(ctx, query, key, value, pse, problem):
-        out, smax, ssum = forward_packed(problem)
-        ctx.save_for_backward(query, key, value, out, smax, ssum)
-        ctx.geo, ctx.plans, ctx.pse = problem.geo, problem.plans, problem.pse
-        m8 = _pack_stats(smax, problem.softmax_layout, problem.geo)
-        s8 = _pack_stats(ssum, problem.softmax_layout, problem.geo)
-        ctx.mark_non_differentiable(m8, s8)
-        return out, m8, s8
-
-    @staticmethod
-    def backward(ctx, d_out, _d_max, _d_sum):
-        query, key, value, out, smax, ssum = ctx.saved_tensors
-        dy = d_out if d_out.dtype == query.dtype else d_out.to(query.dtype)
-        problem = VarlenProblem(ctx.geo, ctx.plans, query, key, value, dy, out, smax, ssum, "TND", ctx.pse)
-        dq, dk, dv, dpse = run_backward(problem, with_dpse=ctx.needs_input_grad[3])
-        return dq, dk, dv, dpse, None
-
-
-def score(query, key, value, attrs: AttentionAttrs, tensors: AttentionTensors = AttentionTensors()):
-    """FlashAttentionScore in TND -> ``(attention_out [T1,N1,Dv], softmax_max, softmax_sum [T1,N1,8])``.
-
-    query ``[T1,N1,D]``, key ``[T2,N2,D]``, value ``[T2,N2,Dv]`` (float32/float16/bfloat16), cumulative
-    ``attrs.actual_seq_qlen`` / ``attrs.actual_seq_kvlen``. Differentiable w.r.t. query, key, value and
-    (pseType 0/1) pse.
-    """
-    p = check_forward(query, key, value, attrs, tensors)
-    pse_leaf = p.pse if p.pse is not None and p.pse.requires_grad else None
-    if torch.is_grad_enabled() and (pse_leaf is not None or any(t.requires_grad for t in (query, key, value))):
-        return _VarlenFunction.apply(query, key, value, pse_leaf, p)
-    return run_forward(p)
-
-
-def score_grad(query, key, value, dy, attrs: AttentionAttrs, tensors: AttentionTensors = AttentionTensors()):
-    """FlashAttentionUnpaddingScoreGrad (TND) -> ``(dq, dk, dv, dpse)`` shaped like query, key, value.
-
-    dy / attention_in ``[T1,N1,Dv]``; softmax_max / softmax_sum float32 ``[T1,N1,8]`` in ``softmax_layout``
-    order, used as given; all three None -> recomputed per batch (attngrad extension). ``dpse``: for a
-    float pse (pseType 0/1) its gradient in the pse's TND form (attngrad extension), else None.
-    """
-    return run_backward(check_backward(query, key, value, dy, attrs, tensors), with_dpse=True)
