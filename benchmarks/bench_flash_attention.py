@@ -29,6 +29,7 @@ from attngrad.kernels.dropout import generate_drop_mask
 from attngrad.kernels.flash_attention import flash_attention_backward, flash_attention_forward
 from attngrad.kernels.flash_attention_plan import visible_pairs
 from attngrad.ops.flash_attention import check_forward
+from attngrad.ops.flash_attention_core import split_kwargs
 
 _TRIU = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
 _PEER = "torch sdpa flash (C++)"
@@ -46,7 +47,8 @@ def _inputs(shape, dtype):
 
 
 def _plan(q, k, v, **kw):
-    return check_forward(q, k, v, q.shape[1], "BNSD", scale_value=1.0 / math.sqrt(q.shape[-1]), **kw).plan
+    return check_forward(q, k, v, *split_kwargs(q.shape[1], "BNSD", scale_value=1.0 / math.sqrt(q.shape[-1]),
+                                                **kw)).plan
 
 
 def _label(shape, what):

@@ -22,6 +22,7 @@ from attngrad.bench import BenchCase
 from attngrad.kernels.flash_attention import flash_attention_backward, flash_attention_forward
 from attngrad.kernels.flash_attention_plan import AttentionPlan
 from attngrad.ops import flash_attention_varlen as varlen
+from attngrad.ops.flash_attention_core import split_kwargs
 
 HEADS, HEAD_DIM = 8, 128
 CAUSAL_MASK = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
@@ -56,10 +57,10 @@ def _cases(lengths: list[int], dtype: torch.dtype) -> list[BenchCase]:
     cum = torch.tensor(lengths).cumsum(0).tolist()
     scale = 1.0 / math.sqrt(HEAD_DIM)
     seq = dict(actual_seq_qlen=cum, actual_seq_kvlen=cum, scale_value=scale, sparse_mode=3, atten_mask=CAUSAL_MASK)
-    out, smax, ssum = varlen.run_forward(varlen.check_forward(q, k, v, HEADS, "TND", **seq))
-    grad_problem = varlen.check_backward(q, k, v, dy, HEADS, "TND", softmax_max=smax, softmax_sum=ssum,
-                                         attention_in=out, **seq)
-    forward_problem = varlen.check_forward(q, k, v, HEADS, "TND", **seq)
+    out, smax, ssum = varlen.run_forward(varlen.check_forward(q, k, v, *split_kwargs(HEADS, "TND", **seq)))
+    grad_problem = varlen.check_backward(q, k, v, dy, *split_kwargs(HEADS, "TND", softmax_max=smax,
+                                                                    softmax_sum=ssum, attention_in=out, **seq))
+    forward_problem = varlen.check_forward(q, k, v, *split_kwargs(HEADS, "TND", **seq))
 
     plan = AttentionPlan(scale=scale, next_tokens=0)
     starts = [c - s for c, s in zip(cum, lengths)]

@@ -31,9 +31,9 @@ import torch
 from ..kernels.flash_attention_plan import UNBOUNDED_TOKENS, AttentionPlan
 from ..validation import check_dim_equal, invalid
 from . import flash_attention_varlen as varlen
-from .flash_attention_checks import (absent, check_cann_sizes, check_dy_and_attention_in, check_forward_outputs,
-                                     check_grad_outputs, check_head_num, check_input_layout, check_tensors,
-                                     require_forward_tensors, require_grad_tensors, saved_stats)
+from .flash_attention_checks import (NO_OUTPUTS, absent, check_cann_sizes, check_dy_and_attention_in,
+                                     check_forward_outputs, check_grad_outputs, check_head_num, check_input_layout,
+                                     check_tensors, require_forward_tensors, require_grad_tensors, saved_stats)
 from .flash_attention_core import (BATCH_DIM, STATS_COPIES, AttentionAttrs, AttentionTensors, Geometry, Problem,
                                    backward_kernel, forward_kernel, from_bnsd, geometry, has_float_pse,
                                    resolve_plan, split_kwargs, stats8, to_bnsd)
@@ -41,7 +41,6 @@ from .flash_attention_core import (BATCH_DIM, STATS_COPIES, AttentionAttrs, Atte
 FORWARD = "FlashAttentionScore"
 BACKWARD = "FlashAttentionScoreGrad"
 LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
-NO_OUTPUTS = (None, None, None)
 
 
 def _layout_shape(geo: Geometry, heads: int, seq: int, dim: int) -> tuple[int, ...]:

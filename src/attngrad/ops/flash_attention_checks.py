@@ -24,6 +24,7 @@ CANN_MAX_HEAD_DIM = 512
 # ------------------------------------------------------------------------------------------ nulls
 FORWARD_OUTPUTS = ("softmaxMaxOut", "softmaxSumOut", "attentionOutOut")
 GRAD_OUTPUTS = ("dqOut", "dkOut", "dvOut")
+NO_OUTPUTS = (None, None, None)         # the torch layer: no aclnn outputs
 
 
 def require_forward_tensors(op: str, query, key, value, outputs: tuple,

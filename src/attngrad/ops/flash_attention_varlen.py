@@ -43,7 +43,7 @@ from ..validation import (MASK_DTYPES, check_choice, check_dtype, check_float, c
 from .flash_attention_core import (COMPRESSED_MASK, STATS_COPIES, AttentionAttrs, AttentionTensors, Geometry,
                                    Problem, backward_kernel, forward_kernel, geometry, has_float_pse, resolve_plan,
                                    stats8)
-from .flash_attention_checks import (absent, check_cann_sizes, check_drop_mask, check_dy_and_attention_in,
+from .flash_attention_checks import (NO_OUTPUTS, absent, check_cann_sizes, check_drop_mask, check_dy_and_attention_in,
                                      check_forward_outputs, check_grad_outputs, check_head_num, check_input_layout,
                                      check_pse_type, check_tensors, require_forward_tensors,
                                      require_grad_tensors, saved_stats)
@@ -404,7 +404,7 @@ class VarlenProblem:
 
 # ------------------------------------------------------------------------------------------- checks
 def check_forward(query, key, value, attrs: AttentionAttrs, tensors: AttentionTensors = AttentionTensors(), *,
-                  outputs: tuple = (None, None, None), cann_limits: bool = False) -> VarlenProblem:
+                  outputs: tuple = NO_OUTPUTS, cann_limits: bool = False) -> VarlenProblem:
     """Validate FlashAttentionVarLenScore (TND) in CANN's order; ``outputs``: the aclnn (softmaxMaxOut,
     softmaxSumOut, attentionOutOut), checked with ``cann_limits``."""
     op = FORWARD
@@ -421,7 +421,7 @@ def check_forward(query, key, value, attrs: AttentionAttrs, tensors: AttentionTe
 
 
 def check_backward(query, key, value, dy, attrs: AttentionAttrs, tensors: AttentionTensors = AttentionTensors(),
-                   *, outputs: tuple = (None, None, None), cann_limits: bool = False) -> VarlenProblem | None:
+                   *, outputs: tuple = NO_OUTPUTS, cann_limits: bool = False) -> VarlenProblem | None:
     """Validate FlashAttentionUnpaddingScoreGrad (TND) in CANN's order.
 
     Torch layer: softmax_max, softmax_sum and attention_in all None -> recomputed per batch; some -> 161001.
