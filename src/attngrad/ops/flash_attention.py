@@ -35,7 +35,7 @@ from .flash_attention_checks import (NO_OUTPUTS, absent, check_cann_sizes, check
                                      check_forward_outputs, check_grad_outputs, check_head_num, check_input_layout,
                                      check_tensors, require_forward_tensors, require_grad_tensors, saved_stats)
 from .flash_attention_core import (BATCH_DIM, STATS_COPIES, AttentionAttrs, AttentionTensors, Geometry, Problem,
-                                   backward_kernel, forward_kernel, from_bnsd, geometry, has_float_pse,
+                                   backward_kernel, forward_kernel, from_bnsd, geometry,
                                    resolve_plan, split_kwargs, stats8, to_bnsd)
 
 FORWARD = "FlashAttentionScore"
