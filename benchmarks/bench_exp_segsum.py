@@ -1,7 +1,7 @@
-"""ExpSegsum(Backward) against its PyTorch peers (issue 3's shapes: x [8,8,4,128], gradients [8,8,4,128,128]).
+"""ExpSegsum(Backward) against its PyTorch peers (headline shapes: x [8,8,4,128], gradients [8,8,4,128,128]).
 
-Peers are the eager torch compositions of the documented formulas, in fp32: spec D.2 for the forward
-(broadcast, where, cumsum, masked_fill -inf, exp) and the seed's nine steps for the backward
+Peers are the eager torch compositions of the documented formulas, in fp32: CANN's documented steps for the forward
+(broadcast, where, cumsum, masked_fill -inf, exp) and its nine steps for the backward
 (multiply, where, flip, cumsum, flip, where, sum).
 
 Byte model (the minimum a one-pass kernel must move; P problems = product of the leading dims, element

@@ -13,7 +13,7 @@ Cases (BNSD, scale 1/sqrt(D); plans resolved by the contract from CANN's argumen
 The grad times only the backward: attngrad's ``flash_attention_backward`` with stats from a prior forward;
 torch's ``autograd.grad`` of an output whose graph is built once outside the timed call. Effective FLOPs:
 ``4 D`` per visible (query, key) pair (:func:`visible_pairs`, exact for every mode) in the forward, 2.5 times
-that in the grad (peers_and_conventions.md section 4.1).
+that in the grad (the usual convention: the backward's five GEMMs against the forward's two).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""ScaledMaskedSoftmax(Backward) against its PyTorch peers (issue 2's shape: [4,16,512,1024], mask [4,1,...]).
+"""ScaledMaskedSoftmax(Backward) against its PyTorch peers (the headline shape: [4,16,512,1024], mask [4,1,...]).
 
 Byte model (what a one-pass kernel must move): forward reads x and the mask and writes y; backward reads
 grad_output, y and the mask and writes the gradient. The mask is counted once at its own (broadcast) size.

@@ -1,4 +1,4 @@
-"""Port of CANN's forward example (ops-math ``math/segsum/examples/test_aclnn_segsum.cpp``, spec part D.4).
+"""Port of CANN's forward example (ops-math ``math/segsum/examples/test_aclnn_segsum.cpp``).
 
 self = [0, 1, 2, 3] (fp32, shape 1x1x1x4) -> out (1x1x1x4x4), printed row-major:
 1 0 0 0 / 2.718282 1 0 0 / 20.085537 7.389056 1 0 / 403.428793 148.413159 20.085537 1.

@@ -1,4 +1,4 @@
-"""Port of the aclnn FlashAttentionScoreGrad example (test_aclnn_flash_attention_score_grad.cpp, spec 13).
+"""Port of the aclnn FlashAttentionScoreGrad example (test_aclnn_flash_attention_score_grad.cpp).
 
 SBH, B=1 N1=N2=1 S1=S2=256 D=128, fp32, scale 1/sqrt(128); q = k = v = dy = attentionIn = 1,
 softmaxMax = softmaxSum = 3.0, attention mask [256, 256] of zeros (nothing masked), through

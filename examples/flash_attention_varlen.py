@@ -1,5 +1,5 @@
 """Varlen (TND) FlashAttention through the two-phase API: aclnnFlashAttentionVarLenScore, then
-aclnnFlashAttentionUnpaddingScoreGrad on its outputs (in the style of CANN's TND examples, spec 13).
+aclnnFlashAttentionUnpaddingScoreGrad on its outputs (in the style of CANN's TND examples).
 
 Three sequences packed along T, query lengths [3, 0, 5] and key/value lengths [4, 0, 6] (cumulative
 actualSeqQLen [3, 3, 8], actualSeqKvLen [4, 4, 10]; the middle batch is empty), N1 = 2 query heads sharing

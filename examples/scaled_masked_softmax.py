@@ -1,4 +1,4 @@
-"""Port of CANN's forward example (test_aclnn_scaled_masked_softmax.cpp, spec part A.4).
+"""Port of CANN's forward example (test_aclnn_scaled_masked_softmax.cpp).
 
 x = 1..16 (fp32, 2x2x2x2), mask {1,1,0,0, ...} (every even row fully masked), scale 1.
 Expected output: 0.5 0.5 0.268941 0.731059, four times.

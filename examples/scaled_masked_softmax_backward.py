@@ -1,4 +1,4 @@
-"""Port of seed 001's C++ example (test_aclnn_scaled_masked_softmax_backward.cpp).
+"""Port of CANN's backward example (test_aclnn_scaled_masked_softmax_backward.cpp).
 
 gradOutput = y = 1..16 (fp32, 2x2x2x2), mask {1,1,0,0, ...}, scale 1. Expected output:
 0 0 -66 -84 0 0 -742 -840 0 0 -2794 -3036 0 0 -6990 -7440.

@@ -1,7 +1,7 @@
 """Shared test fixtures, and a numba cache per pytest-xdist worker.
 
 * ``_torch_seed`` (autouse): every test starts from ``torch.manual_seed(0)``, so random inputs repeat.
-* ``acl_device``: the seed examples' C++ helpers in Python: ``tensor(host, acl_dtype, ...)`` is
+* ``acl_device``: the C++ helpers of CANN's examples in Python: ``tensor(host, acl_dtype, ...)`` is
   ``CreateAclTensor`` (aclrtMalloc + aclrtMemcpy + aclCreateTensor, any strides/offset), ``read(ptr, dtype)``
   copies device memory back to the host with aclrtMemcpy, ``run(get_ws, execute, *args)`` makes the two
   aclnn calls and returns the status. Every allocation is freed with aclrtFree at teardown.
@@ -14,7 +14,7 @@ from pathlib import Path
 
 # Each pytest-xdist worker (the README's test command runs two) compiles into its own numba cache, set before
 # numba is imported: numba's cache index is not safe against two processes saving new specialisations of the same
-# kernel at once (numba issue #4807: the index can name another signature's code).
+# kernel at once (the index can then name another signature's code).
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _WORKER:
     _ROOT = os.environ.get("NUMBA_CACHE_DIR") or Path(__file__).resolve().parent.parent / ".numba-cache"

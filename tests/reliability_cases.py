@@ -1,4 +1,4 @@
-"""Shared generators and child-process entry points of the reliability suite (issue 9).
+"""Shared generators and child-process entry points of the reliability suite.
 
 Every operator is described once by an :class:`Op`: its parameters (with the name the contract uses in
 its messages and the name of the aclnn argument), a builder of a small VALID call, its aclnn outputs,
@@ -7,7 +7,7 @@ a success check against the float64 reference. A case is a JSON-able tuple
 ``(op, layer, dtype, seed, mutations)``: the valid call, then 1-2 generic mutations (wrong dtype, rank,
 dims, layout, non-tensors, meta/sparse tensors, bad attributes, overlapping outputs, ...).
 
-:func:`run_case` judges a case by the one rule of API.md section 4: the call either fails with
+:func:`run_case` judges a case by one rule (bad input never crashes nor returns wrong data): the call either fails with
 ``AclnnError`` (torch / npu layers; the status is 161001/161002 and ``err.param`` names a parameter of
 the operator) or with such a status and ``aclGetRecentErrMsg`` naming a parameter (aclnn layer, which
 never raises and then leaves its outputs untouched), or it succeeds and the result matches the float64
@@ -39,20 +39,12 @@ from attngrad.kernels.scaled_masked_softmax_reference import (scaled_masked_soft
 from attngrad.ops.flash_attention import from_bnsd, to_bnsd
 from attngrad.precision import NORM_REL_TOL, assert_close, compare
 
+from helpers import same_bits
+
 NULL, INVALID, SUCCESS = aclnn.ACLNN_ERR_PARAM_NULLPTR, aclnn.ACLNN_ERR_PARAM_INVALID, aclnn.ACLNN_SUCCESS
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 FLOATS = tuple(DTYPES.values())
 SENTINEL = 7.0  # aclnn outputs are filled with it: a rejected call must leave it there
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bits of a float tensor (for bit-exact comparisons, nan included)."""
-    return t.detach().contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-                                        [t.element_size()])
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(bits(a), bits(b))
 
 
 # ------------------------------------------------------------------------------------------ parameters
@@ -209,7 +201,6 @@ INTS_ATTRS = _consts({"none": None, "empty": [], "zero": [0], "pair": [1, 2], "n
                       "frac": [1.5], "str": "abc", "int": 5, "tensor": torch.tensor([1, 2]),
                       "ftensor": torch.tensor([1.0]), "2d": torch.tensor([[1]]), "none_in": [None],
                       "npy": np.array([1, 2]), "bool_in": [True]})
-
 
 
 def _on_tensor(catalog: dict) -> dict:
@@ -511,7 +502,7 @@ def _rows_without_keys(b: int, sq: int, skv: int, pre: int, nxt: int, prefix) ->
 
 def golden_plan(a: dict, b: int, n1: int, sq: int, skv: int, mask=None, drop_mask=None) -> AttentionPlan:
     """The float64 reference's plan of an ACCEPTED BNSD call (``mask`` / ``drop_mask``: the varlen caller's
-    per-batch slices), derived from the arguments by the spec rules, not by the contract."""
+    per-batch slices), derived from the arguments by the rules of docs/cann-semantics.md, not by the contract."""
     pre, nxt, prefix, read_mask = _golden_rule(a, sq, skv)
     mask = a["atten_mask"] if mask is None else mask
     keep = float(a["keep_prob"])
@@ -525,7 +516,8 @@ def golden_plan(a: dict, b: int, n1: int, sq: int, skv: int, mask=None, drop_mas
 
 
 def fa_problem(a: dict):
-    """BNSD views and the plan of a call that the contract accepted (geometry derived like spec 2)."""
+    """BNSD views and the plan of a call that the contract accepted (geometry as in docs/cann-semantics.md,
+    'Layouts and geometry')."""
     layout, n1 = a["input_layout"], a["head_num"]
     q = to_bnsd(a["query"].detach(), layout, n1)
     d = q.shape[-1]
@@ -819,7 +811,7 @@ def _tnd_to_bnsd(t: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
 
 
 def _batch_drop_bits(a: dict, start: int, count: int):
-    """Batch b's dropMask bits (``count`` bits from bit ``start`` of the LSB-first mask), repacked (spec 7.2)."""
+    """Batch b's dropMask bits (``count`` bits from bit ``start`` of the LSB-first mask), repacked."""
     if float(a["keep_prob"]) >= 1:
         return None
     bits = np.unpackbits(a["drop_mask"].reshape(-1).numpy(), bitorder="little")[start:start + count]
@@ -1057,7 +1049,6 @@ OPS = {op.name: op for op in (SMS_FORWARD, SMS_BACKWARD, SEG_FORWARD, SEG_BACKWA
                               VARLEN_FORWARD, VARLEN_GRAD)}
 
 
-
 # ------------------------------------------------------------------------------------------ judging
 def _param(op: Op, name: str) -> Param:
     return next(p for p in op.params + op.outs + (Param("*", "*", "all"),) if p.name == name)
@@ -1110,7 +1101,7 @@ def _snapshot(outs: dict) -> dict:
 
 
 def run_case(case) -> str:
-    """Run one case and assert the rule of API.md section 4; returns 'ok', 'rejected <status> <param>'."""
+    """Run one case and assert that rule; returns 'ok', 'rejected <status> <param>'."""
     op_name, layer, dtype_name, seed, mutations = case
     op = OPS[op_name]
     original = op.build(random.Random(seed), DTYPES[dtype_name], layer)

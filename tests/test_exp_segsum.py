@@ -1,6 +1,7 @@
-"""ExpSegsum / ExpSegsumBackward results against the float64 reference (spec parts D, E, G).
+"""ExpSegsum / ExpSegsumBackward results against the float64 reference (docs/cann-semantics.md, 'ExpSegsum').
 
-Every result is judged by ``attngrad.precision`` (API.md section 7: norm-relative error and CANN's MERE).
+Every result is judged by ``attngrad.precision`` (norm-relative error and CANN's MERE; README, 'How precision
+is judged').
 Goldens that overflow the output dtype are saturated to inf first (``saturate``): no value of that dtype
 can be closer. Two documented limits of the judgement (see ``assert_forward_close``):
 
@@ -29,6 +30,8 @@ from attngrad.kernels.exp_segsum_reference import (exp_segsum_backward_reference
                                                    saturate)
 from attngrad.precision import assert_close, compare
 
+from helpers import bits
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ACL_DTYPES = {torch.float32: aclnn.ACL_FLOAT, torch.float16: aclnn.ACL_FLOAT16, torch.bfloat16: aclnn.ACL_BF16}
 T_SIZES = [1, 2, 37, 128, 256]
@@ -45,10 +48,6 @@ SEED_OUT = torch.tensor([[1, 0, 0, 0], [2.718282, 1, 0, 0], [20.085537, 7.389056
 
 def normal(shape, mean, std, dtype, generator=None) -> torch.Tensor:
     return (torch.randn(shape, generator=generator, dtype=torch.float64) * std + mean).to(dtype)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def upper(t: int) -> torch.Tensor:
@@ -291,7 +290,7 @@ def test_forward_non_contiguous_same_bits(dtype, view):
     assert torch.equal(bits(out), bits(attngrad.exp_segsum(x.contiguous())))
 
 
-# --- the seed examples and the spec's small cases ---
+# --- CANN's examples and small worked cases ---
 def test_seed_forward_example_torch():
     out = attngrad.exp_segsum(SEED_X)
     assert out.shape == (1, 1, 1, 4, 4)

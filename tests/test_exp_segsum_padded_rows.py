@@ -13,11 +13,9 @@ import attngrad
 from attngrad.kernels.exp_segsum_reference import exp_segsum_backward_reference, saturate
 from attngrad.precision import assert_close
 
+from helpers import bits
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,4 +1,5 @@
-"""ExpSegsum(Backward) parameter checks (spec D.3, E.5) through both layers, and malformed input fuzzing.
+"""ExpSegsum(Backward) parameter checks (docs/cann-semantics.md, 'ExpSegsum') through both layers, and
+malformed input fuzzing.
 
 The torch layer raises ``AclnnError`` (status + the parameter named in the message); the aclnn layer
 returns the same status. CANN's empty fast path (aclnn layer only) succeeds before any other check.
@@ -14,16 +15,14 @@ from hypothesis import strategies as st
 import attngrad
 from attngrad import AclnnError, aclnn
 
+from helpers import acl
+
 NULL, INVALID = aclnn.ACLNN_ERR_PARAM_NULLPTR, aclnn.ACLNN_ERR_PARAM_INVALID
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 
 
 def t(*shape, dtype=F32):
     return torch.zeros(shape, dtype=dtype)
-
-
-def acl(x, fmt=aclnn.ACL_FORMAT_ND):
-    return None if x is None else aclnn.AclTensor.from_torch(x, fmt)
 
 
 def aclnn_status(get_ws, execute, *tensors, fmt=aclnn.ACL_FORMAT_ND):
@@ -62,7 +61,7 @@ BACKWARD_BAD = [
     ("gradInput null", t(1, 2, 3, 3), t(1, 2, 3, 3), None, NULL, "gradInput"),
     ("gradOutput int32", t(1, 2, 3, 3, dtype=torch.int32), t(1, 2, 3, 3), t(1, 2, 3), INVALID, "gradOutput"),
     ("gradSelf float64", t(1, 2, 3, 3), t(1, 2, 3, 3, dtype=torch.float64), t(1, 2, 3), INVALID, "gradSelf"),
-    # seed document: gradSelf has gradOutput's dtype (CANN's aclnn layer does not check it)
+    # documented: gradSelf has gradOutput's dtype (CANN's aclnn layer does not check it)
     ("gradSelf dtype mismatch", t(1, 2, 3, 3), t(1, 2, 3, 3, dtype=F16), t(1, 2, 3), INVALID, "gradSelf"),
     ("gradInput dtype", t(1, 2, 3, 3, dtype=BF16), t(1, 2, 3, 3, dtype=BF16), t(1, 2, 3), INVALID, "gradInput"),
     ("dtype before rank", t(2, 3, 3), t(2, 3, 3, dtype=F16), t(2, 3), INVALID, "gradSelf"),
@@ -175,8 +174,8 @@ shapes = st.lists(st.integers(0, 4), min_size=0, max_size=6).map(tuple)
 maybe_tensor = st.one_of(st.none(), st.tuples(shapes, st.sampled_from(FUZZ_DTYPES)))
 
 
-def _make(spec):
-    return None if spec is None else t(*spec[0], dtype=spec[1])
+def _make(arg):
+    return None if arg is None else t(*arg[0], dtype=arg[1])
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,4 +1,4 @@
-"""FlashAttentionScore / FlashAttentionScoreGrad against the float64 reference (API.md section 7).
+"""FlashAttentionScore / FlashAttentionScoreGrad against the float64 reference (README, 'How precision is judged').
 
 Goldens are computed by the plain float64 reference from the same dtype-rounded inputs. fp16/bf16 are
 compared plainly against that golden (no round_to emulation): the norm-relative thresholds hold with margin.
@@ -19,16 +19,11 @@ from attngrad.kernels.flash_attention_reference import (flash_attention_backward
 from attngrad.ops.flash_attention import from_bnsd, to_bnsd
 from attngrad.precision import assert_close
 
+from helpers import acl, attention_inputs
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LAYOUTS = ["BSH", "SBH", "BSND", "BNSD"]
 HEADS = [(4, 2), (3, 3), (4, 1)]
-
-
-def make(layout, b, n1, n2, sq, skv, d, dv, dtype, seed=0):
-    """Random q, k, v, dy in ``layout`` (already rounded to dtype)."""
-    g = torch.Generator().manual_seed(seed)
-    return tuple(from_bnsd(torch.randn(b, n, s, e, generator=g).to(dtype), layout)
-                 for n, s, e in ((n1, sq, d), (n2, skv, d), (n2, skv, dv), (n1, sq, dv)))
 
 
 def golden(layout, n1, q, k, v, dy, out, smax, ssum, scale):
@@ -67,7 +62,7 @@ def check_all(layout, n1, q, k, v, dy, scale):
 @pytest.mark.parametrize("heads", HEADS)
 def test_golden_layouts_dtypes_gqa(layout, dtype, heads):
     n1, n2 = heads
-    q, k, v, dy = make(layout, 2, n1, n2, 37, 130, 16, 8, dtype)   # Dv < D, Sq != Skv, odd sizes
+    q, k, v, dy = attention_inputs(layout, 2, n1, n2, 37, 130, 16, 8, dtype)   # Dv < D, Sq != Skv, odd sizes
     check_all(layout, n1, q, k, v, dy, 0.25)
 
 
@@ -76,12 +71,12 @@ def test_golden_layouts_dtypes_gqa(layout, dtype, heads):
 @pytest.mark.parametrize("sq,skv", [(1, 5), (1, 130), (130, 37), (64, 64)])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_golden_sequence_lengths(sq, skv, dtype):
-    q, k, v, dy = make("BNSD", 1, 2, 1, sq, skv, 32, 32, dtype, seed=sq + skv)
+    q, k, v, dy = attention_inputs("BNSD", 1, 2, 1, sq, skv, 32, 32, dtype, seed=sq + skv)
     check_all("BNSD", 2, q, k, v, dy, 32 ** -0.5)
 
 
 def test_single_key():
-    q, k, v, dy = make("BNSD", 1, 2, 1, 3, 1, 8, 8, torch.float32, seed=6)
+    q, k, v, dy = attention_inputs("BNSD", 1, 2, 1, 3, 1, 8, 8, torch.float32, seed=6)
     out, smax, ssum = attngrad.flash_attention_score(q, k, v, 2, "BNSD")
     assert_close(out, v.double().expand(1, 2, 3, 8))
     dq, dk, dv, _ = attngrad.flash_attention_score_grad(q, k, v, dy, 2, "BNSD")
@@ -92,7 +87,7 @@ def test_single_key():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_non_contiguous_inputs(dtype):
     b, n1, n2, sq, skv, d, dv = 2, 4, 2, 19, 23, 16, 16
-    big = make("BSND", b, n1, n2 * 2, sq * 2, skv, d * 2, dv * 2, dtype, seed=3)
+    big = attention_inputs("BSND", b, n1, n2 * 2, sq * 2, skv, d * 2, dv * 2, dtype, seed=3)
     q = big[0][:, ::2, :, :d]                   # strided S and D
     k = big[1][:, :, ::2, d:]                   # every other head, offset D
     v = big[2][:, :, 1::2, ::2]                 # stride-2 last dim
@@ -107,7 +102,7 @@ def test_non_contiguous_inputs(dtype):
 @pytest.mark.parametrize("layout", ["BSH", "BNSD"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_recomputed_statistics_match_explicit(layout, dtype):
-    q, k, v, dy = make(layout, 2, 4, 2, 33, 45, 16, 16, dtype, seed=5)
+    q, k, v, dy = attention_inputs(layout, 2, 4, 2, 33, 45, 16, 16, dtype, seed=5)
     out, smax, ssum = attngrad.flash_attention_score(q, k, v, 4, layout, scale_value=0.2)
     explicit = attngrad.flash_attention_score_grad(q, k, v, dy, 4, layout, scale_value=0.2, softmax_max=smax,
                                                    softmax_sum=ssum, attention_in=out)
@@ -119,7 +114,7 @@ def test_recomputed_statistics_match_explicit(layout, dtype):
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_autograd_matches_golden(layout, dtype):
-    q, k, v, dy = make(layout, 1, 4, 2, 21, 30, 16, 8, dtype, seed=7)
+    q, k, v, dy = attention_inputs(layout, 1, 4, 2, 21, 30, 16, 8, dtype, seed=7)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, smax, ssum = attngrad.flash_attention_score(*leaves, 4, layout, scale_value=0.25)
     assert out.requires_grad and not smax.requires_grad
@@ -135,8 +130,9 @@ def test_autograd_matches_golden(layout, dtype):
 
 
 def test_backward_uses_given_statistics():
-    """CANN's grad trusts softmax_max/sum/attention_in (spec section 0): other stats change the result."""
-    q, k, v, dy = make("BNSD", 1, 2, 2, 16, 16, 8, 8, torch.float32, seed=9)
+    """CANN's grad trusts softmax_max/sum/attention_in (docs/cann-semantics.md, 'Softmax statistics'): other
+    stats change the result."""
+    q, k, v, dy = attention_inputs("BNSD", 1, 2, 2, 16, 16, 8, 8, torch.float32, seed=9)
     out, smax, ssum = attngrad.flash_attention_score(q, k, v, 2, "BNSD")
     doubled = attngrad.flash_attention_score_grad(q, k, v, dy, 2, "BNSD", softmax_max=smax,
                                                   softmax_sum=ssum * 2, attention_in=out)
@@ -149,20 +145,20 @@ def test_backward_uses_given_statistics():
 
 
 def test_empty_inputs_zero_fill():
-    q, k, v, dy = make("BNSD", 1, 2, 1, 5, 0, 8, 8, torch.float16)     # Skv = 0
+    q, k, v, dy = attention_inputs("BNSD", 1, 2, 1, 5, 0, 8, 8, torch.float16)     # Skv = 0
     out, smax, ssum = attngrad.flash_attention_score(q, k, v, 2, "BNSD")
     assert torch.equal(out, torch.zeros_like(out))
     assert bool((smax == MASKED_LOGIT).all()) and bool((ssum == 0).all())
     dq, dk, dv, _ = attngrad.flash_attention_score_grad(q, k, v, dy, 2, "BNSD")
     assert dq.shape == q.shape and torch.equal(dq, torch.zeros_like(dq)) and dk.numel() == dv.numel() == 0
-    q, k, v, dy = make("BSH", 0, 2, 2, 4, 4, 8, 8, torch.float32)      # B = 0
+    q, k, v, dy = attention_inputs("BSH", 0, 2, 2, 4, 4, 8, 8, torch.float32)      # B = 0
     assert attngrad.flash_attention_score(q, k, v, 2, "BSH")[0].shape == (0, 4, 16)
     assert attngrad.flash_attention_score_grad(q, k, v, dy, 2, "BSH")[0].shape == (0, 4, 16)
 
 
 def test_cann_no_mask_means_full_attention():
-    """Without attenMask CANN ignores sparseMode and the tokens (spec 3.1); prefix only matters for modes 5/6."""
-    q, k, v, dy = make("BNSD", 1, 2, 2, 9, 9, 8, 8, torch.float32, seed=2)
+    """Without attenMask CANN ignores sparseMode and the tokens; prefix only matters for modes 5/6."""
+    q, k, v, dy = attention_inputs("BNSD", 1, 2, 2, 9, 9, 8, 8, torch.float32, seed=2)
     base = attngrad.flash_attention_score(q, k, v, 2, "BNSD")[0]
     other = attngrad.flash_attention_score(q, k, v, 2, "BNSD", sparse_mode=3, pre_tokens=1, next_tokens=0,
                                            prefix=[0], q_start_idx=[0], kv_start_idx=[0])[0]
@@ -170,7 +166,7 @@ def test_cann_no_mask_means_full_attention():
 
 
 def test_npu_names_and_tuples():
-    q, k, v, dy = make("BSND", 2, 4, 2, 12, 20, 16, 16, torch.float32, seed=4)
+    q, k, v, dy = attention_inputs("BSND", 2, 4, 2, 12, 20, 16, 16, torch.float32, seed=4)
     fwd = npu.npu_fusion_attention(q, k, v, 4, "BSND", scale=0.25, pre_tockens=65536, next_tockens=65536)
     assert len(fwd) == 7
     out, smax, ssum, softmax_out, seed, offset, numels = fwd
@@ -192,42 +188,38 @@ def test_npu_names_and_tuples():
     assert exc.value.status == 161002 and exc.value.param == "sink"
 
 
-def _acl(t):
-    return None if t is None else aclnn.AclTensor.from_torch(t)
-
-
 @pytest.mark.parametrize("v2", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_aclnn_forward_then_grad(v2, dtype):
-    q, k, v, dy = make("SBH", 2, 4, 1, 17, 26, 16, 16, dtype, seed=8)
+    q, k, v, dy = attention_inputs("SBH", 2, 4, 1, 17, 26, 16, 16, dtype, seed=8)
     out = torch.zeros_like(dy)
     smax = torch.zeros(2, 4, 17, 8)
     ssum = torch.zeros(2, 4, 17, 8)
     tokens = 2147483647
     if v2:
         ret, ws, ex = aclnn.aclnnFlashAttentionScoreV2GetWorkspaceSize(
-            _acl(q), _acl(k), _acl(v), None, None, None, None, None, None, None, 0.25, 1.0, tokens, tokens, 4,
-            "SBH", 0, 0, 1, _acl(smax), _acl(ssum), None, _acl(out))
+            acl(q), acl(k), acl(v), None, None, None, None, None, None, None, 0.25, 1.0, tokens, tokens, 4,
+            "SBH", 0, 0, 1, acl(smax), acl(ssum), None, acl(out))
         run = aclnn.aclnnFlashAttentionScoreV2
     else:
         ret, ws, ex = aclnn.aclnnFlashAttentionScoreGetWorkspaceSize(
-            _acl(q), _acl(k), _acl(v), None, None, None, None, None, 0.25, 1.0, tokens, tokens, 4, "SBH", 0, 0,
-            _acl(smax), _acl(ssum), None, _acl(out))
+            acl(q), acl(k), acl(v), None, None, None, None, None, 0.25, 1.0, tokens, tokens, 4, "SBH", 0, 0,
+            acl(smax), acl(ssum), None, acl(out))
         run = aclnn.aclnnFlashAttentionScore
     assert (ret, ws) == (0, 0), aclnn.aclGetRecentErrMsg()
     assert run(None, ws, ex, None) == 0
     ref = attngrad.flash_attention_score(q, k, v, 4, "SBH", scale_value=0.25)
     assert all(torch.equal(a, b) for a, b in zip((out, smax, ssum), ref))
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    common = (_acl(q), _acl(k), _acl(v), _acl(dy), None, None, None, None, _acl(smax), _acl(ssum), None,
-              _acl(out), None)
+    common = (acl(q), acl(k), acl(v), acl(dy), None, None, None, None, acl(smax), acl(ssum), None,
+              acl(out), None)
     if v2:
         ret, ws, ex = aclnn.aclnnFlashAttentionScoreGradV2GetWorkspaceSize(
-            *common, None, None, 0.25, 1.0, tokens, tokens, 4, "SBH", 0, 0, 1, _acl(dq), _acl(dk), _acl(dv), None)
+            *common, None, None, 0.25, 1.0, tokens, tokens, 4, "SBH", 0, 0, 1, acl(dq), acl(dk), acl(dv), None)
         run = aclnn.aclnnFlashAttentionScoreGradV2
     else:
         ret, ws, ex = aclnn.aclnnFlashAttentionScoreGradGetWorkspaceSize(
-            *common, 0.25, 1.0, tokens, tokens, 4, "SBH", 0, 0, _acl(dq), _acl(dk), _acl(dv), None)
+            *common, 0.25, 1.0, tokens, tokens, 4, "SBH", 0, 0, acl(dq), acl(dk), acl(dv), None)
         run = aclnn.aclnnFlashAttentionScoreGrad
     assert ret == 0, aclnn.aclGetRecentErrMsg()
     assert run(None, ws, ex, None) == 0

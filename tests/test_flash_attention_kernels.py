@@ -17,16 +17,9 @@ from attngrad.kernels.gemm import _gemm_for_test
 from attngrad.kernels.tensor_view import kernel_view
 from attngrad.precision import assert_close
 
+from helpers import attention_inputs
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def _inputs(b, n1, n2, sq, skv, d, dv, dtype, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(b, n1, sq, d, generator=gen).to(dtype)
-    k = torch.randn(b, n2, skv, d, generator=gen).to(dtype)
-    v = torch.randn(b, n2, skv, dv, generator=gen).to(dtype)
-    dy = torch.randn(b, n1, sq, dv, generator=gen).to(dtype)
-    return q, k, v, dy
 
 
 def _check_forward(q, k, v, plan):
@@ -57,7 +50,7 @@ def _check_backward(q, k, v, dy, plan):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n1,n2", [(4, 2), (3, 3), (4, 1)])
 def test_odd_sizes_gqa_and_dv(dtype, n1, n2):
-    q, k, v, dy = _inputs(2, n1, n2, 300, 270, 40, 24, dtype)
+    q, k, v, dy = attention_inputs("BNSD", 2, n1, n2, 300, 270, 40, 24, dtype)
     plan = AttentionPlan(scale=1 / math.sqrt(40))
     _check_forward(q, k, v, plan)
     _check_backward(q, k, v, dy, plan)
@@ -65,7 +58,7 @@ def test_odd_sizes_gqa_and_dv(dtype, n1, n2):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_single_query_row(dtype):
-    q, k, v, dy = _inputs(1, 2, 1, 1, 77, 16, 16, dtype)
+    q, k, v, dy = attention_inputs("BNSD", 1, 2, 1, 1, 77, 16, 16, dtype)
     plan = AttentionPlan(scale=0.3)
     _check_forward(q, k, v, plan)
     _check_backward(q, k, v, dy, plan)
@@ -73,7 +66,8 @@ def test_single_query_row(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_non_contiguous_inputs(dtype):
-    base = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in _inputs(1, 2, 2, 65, 90, 32, 32, dtype)]
+    base = [t.transpose(1, 2).contiguous().transpose(1, 2)
+            for t in attention_inputs("BNSD", 1, 2, 2, 65, 90, 32, 32, dtype)]
     q, k, v, dy = base[0], base[1], base[2], base[3]
     v = torch.cat([v, v], -1)[..., ::2]  # stride 2 on the last dim
     assert not q.is_contiguous() and not v.is_contiguous()
@@ -85,7 +79,7 @@ def test_non_contiguous_inputs(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_one_head_is_split_and_deterministic(dtype):
     """B*N1 == 1: the backward splits the keys in chunks; same bits twice and with 1 or 2 threads."""
-    q, k, v, dy = _inputs(1, 1, 1, 520, 1100, 64, 64, dtype)
+    q, k, v, dy = attention_inputs("BNSD", 1, 1, 1, 520, 1100, 64, 64, dtype)
     assert backward_chunks(1, 1100) > 1
     plan = AttentionPlan(scale=0.125)
     first = _check_backward(q, k, v, dy, plan)
@@ -108,7 +102,7 @@ def test_one_head_is_split_and_deterministic(dtype):
 @pytest.mark.parametrize("pre,nxt", [(2**31 - 1, 0), (40, 3), (2**31 - 1, -5)])
 def test_band_and_mask(dtype, pre, nxt):
     """Left-up band (causal, sliding window, negative next) plus a broadcast [1, N1, Sq, Skv] mask."""
-    q, k, v, dy = _inputs(2, 2, 1, 300, 280, 32, 32, dtype)
+    q, k, v, dy = attention_inputs("BNSD", 2, 2, 1, 300, 280, 32, 32, dtype)
     gen = torch.Generator().manual_seed(1)
     mask = torch.rand(1, 2, 300, 280, generator=gen) < 0.2
     for plan in (AttentionPlan(scale=0.2, pre_tokens=pre, next_tokens=nxt),
@@ -121,7 +115,7 @@ def test_band_and_mask(dtype, pre, nxt):
 @pytest.mark.parametrize("invalid_rows", [False, True])
 def test_fully_masked_rows(dtype, invalid_rows):
     """Rows without any visible key: uniform P (sum = Skv) or invalid-row mode; never nan in the grad."""
-    q, k, v, dy = _inputs(1, 2, 2, 270, 300, 32, 32, dtype)
+    q, k, v, dy = attention_inputs("BNSD", 1, 2, 2, 270, 300, 32, 32, dtype)
     mask = torch.zeros(1, 1, 270, 300, dtype=torch.bool)
     mask[..., 5, :] = True
     mask[..., 260:, :] = True
@@ -203,7 +197,7 @@ def test_strided_views_and_preallocated_outputs_match_contiguous(dtype, n1, n2, 
     """TND-batch-like views (non-contiguous sequence axis) in, preallocated strided views out: equal (up to the
     last bits, :func:`_same`) to the same problem on contiguous copies, forward and backward (GQA, odd head dims,
     causal, >1 tile)."""
-    q, k, v, dy = _inputs(1, n1, n2, 300, 270, d, dv, dtype, seed=4)
+    q, k, v, dy = attention_inputs("BNSD", 1, n1, n2, 300, 270, d, dv, dtype, seed=4)
     plan = AttentionPlan(scale=1 / math.sqrt(d), next_tokens=0)
     (sq_, _), (sk, _), (sv, _), (sdy, _) = (_strided(t) for t in (q, k, v, dy))
     assert not any(t.is_contiguous() for t in (sq_, sk, sv, sdy))

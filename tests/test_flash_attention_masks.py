@@ -1,7 +1,8 @@
-"""FlashAttention masks, sparse modes 0-8, tokens and prefix (spec sections 3 and 6) against the float64 reference.
+"""FlashAttention masks, sparse modes 0-8, tokens and prefix against the float64 reference.
 
 The goldens do not use the library's mode resolution: each mode's excluded positions are built here from the
-spec's table (section 3.2) as a dense boolean mask and given to the plain reference.
+index rules of docs/cann-semantics.md ('Masks and sparse modes') as a dense boolean mask and given to the
+plain reference.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from attngrad.kernels.flash_attention_plan import (FLT_MAX, MASKED_LOGIT, UNBOUN
                                                    sparse_rule, varlen_sparse_bands, visible_pairs)
 from attngrad.kernels.flash_attention_reference import (flash_attention_backward_reference,
                                                         flash_attention_forward_reference)
-from attngrad.ops.flash_attention import from_bnsd, to_bnsd
+from attngrad.ops.flash_attention import to_bnsd
 from attngrad.precision import assert_close
+
+from helpers import attention_inputs
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LAYOUTS = ["BSH", "SBH", "BSND", "BNSD"]
@@ -27,7 +30,7 @@ SCALE = 0.25
 
 
 def spec_excluded(mode, sq, skv, pre, nxt, prefix):
-    """Bool [B, 1, Sq, Skv]: the spec's index rule of ``mode`` (True = excluded), without the mask's content."""
+    """Bool [B, 1, Sq, Skv]: the documented index rule of ``mode`` (True = excluded), without the mask's content."""
     i = torch.arange(sq).view(1, 1, sq, 1)
     j = torch.arange(skv).view(1, 1, 1, skv)
     rules = {0: (j - i > nxt) | (i - j > pre), 1: torch.zeros(1, 1, sq, skv, dtype=torch.bool), 2: j > i,
@@ -39,16 +42,10 @@ def spec_excluded(mode, sq, skv, pre, nxt, prefix):
     return (j > i + skv - sq) & (j >= torch.tensor(prefix).view(B, 1, 1, 1))
 
 
-def make(layout, sq, skv, dtype, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return tuple(from_bnsd(torch.randn(B, n, s, D, generator=g).to(dtype), layout)
-                 for n, s in ((N1, sq), (N2, skv), (N2, skv), (N1, sq)))
-
-
 def run_and_check(layout, dtype, sq, skv, *, mode=0, mask=None, pre=UNBOUNDED_TOKENS, nxt=UNBOUNDED_TOKENS,
                   prefix=None, inner_precise=0, seed=0):
-    """Forward + grad through attngrad's torch API, compared with the reference on the spec's dense mask."""
-    q, k, v, dy = make(layout, sq, skv, dtype, seed)
+    """Forward + grad through attngrad's torch API, compared with the reference on the documented dense mask."""
+    q, k, v, dy = attention_inputs(layout, B, N1, N2, sq, skv, D, D, dtype, seed)
     kw = dict(atten_mask=mask, sparse_mode=mode, pre_tokens=pre, next_tokens=nxt, prefix=prefix,
               inner_precise=inner_precise, scale_value=SCALE)
     out, smax, ssum = attngrad.flash_attention_score(q, k, v, N1, layout, **kw)
@@ -132,7 +129,7 @@ def test_mask_with_non_contiguous_view():
 
 def test_compressed_mask_is_not_read():
     """Modes 2/3/4/6 run from the index rule: the compressed tensor's content is never read."""
-    q, k, v, _ = make("BNSD", 300, 300, torch.float32)
+    q, k, v, _ = attention_inputs("BNSD", B, N1, N2, 300, 300, D, D, torch.float32)
     ones = torch.ones(2048, 2048, dtype=torch.bool)
     got = attngrad.flash_attention_score(q, k, v, N1, "BNSD", atten_mask=ones, sparse_mode=2)[0]
     want = attngrad.flash_attention_score(q, k, v, N1, "BNSD", atten_mask=compressed(2), sparse_mode=2)[0]
@@ -218,7 +215,7 @@ def _rule_mask(pre, nxt, sq, skv):
 
 
 def test_varlen_split_modes_rule():
-    """Modes 7/8 (spec 3.2 and the doc's examples): the band batch and the causal batches."""
+    """Modes 7/8 (CANN's documented examples): the band batch and the causal batches."""
     pre, nxt = 6, -2
     sq_lens, skv_lens = [3, 5, 0], [3, 9, 0]
     bands = varlen_sparse_bands(7, pre, nxt, sq_lens, skv_lens)
@@ -239,7 +236,7 @@ def test_varlen_split_modes_rule():
 
 # ----------------------------------------------------------------------------------------- validation
 def _forward(sq=20, skv=24, **kw):
-    q, k, v, _ = make("BNSD", sq, skv, torch.float32)
+    q, k, v, _ = attention_inputs("BNSD", B, N1, N2, sq, skv, D, D, torch.float32)
     return attngrad.flash_attention_score(q, k, v, N1, "BNSD", **kw)
 
 

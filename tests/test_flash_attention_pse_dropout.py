@@ -1,4 +1,5 @@
-"""FlashAttention pse (types 0-3, every shape, dpse) and dropout (spec sections 4 and 7) against the reference."""
+"""FlashAttention pse (types 0-3, every shape, dpse) and dropout against the reference (docs/cann-semantics.md,
+'Position shift (pse)' and 'Dropout')."""
 
 from __future__ import annotations
 
@@ -18,21 +19,17 @@ from attngrad.ops.flash_attention import check_forward, from_bnsd, to_bnsd
 from attngrad.ops.flash_attention_core import split_kwargs
 from attngrad.precision import assert_close
 
+from helpers import attention_inputs
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 LAYOUTS = ["BSH", "SBH", "BSND", "BNSD"]
 B, N1, N2, D = 2, 4, 2, 16
 SCALE = 0.25
 
 
-def make(layout, sq, skv, dtype, seed=0, b=B):
-    g = torch.Generator().manual_seed(seed)
-    return tuple(from_bnsd(torch.randn(b, n, s, D, generator=g).to(dtype), layout)
-                 for n, s in ((N1, sq), (N2, skv), (N2, skv), (N1, sq)))
-
-
 def check(layout, dtype, sq, skv, b=B, seed=0, **kw):
     """Forward, grad (dq/dk/dv/dpse) through the torch API against the reference on the contract's plan."""
-    q, k, v, dy = make(layout, sq, skv, dtype, seed, b)
+    q, k, v, dy = attention_inputs(layout, b, N1, N2, sq, skv, D, D, dtype, seed)
     kw.setdefault("scale_value", SCALE)
     out, smax, ssum = attngrad.flash_attention_score(q, k, v, N1, layout, **kw)
     dq, dk, dv, dpse = attngrad.flash_attention_score_grad(q, k, v, dy, N1, layout, softmax_max=smax,
@@ -77,7 +74,7 @@ def test_external_pse_shapes_and_dpse(pse_type, shape, dtype):
 
 @pytest.mark.parametrize("pse_type", [0, 1])
 def test_alibi_compressed_pse(pse_type):
-    """[B|1, N1, 1024, Skv] with Sq == Skv > 1024 and a causal mode: the reconstruction rule of spec 4.3."""
+    """[B|1, N1, 1024, Skv] with Sq == Skv > 1024 and a causal mode: the compressed form's reconstruction rule."""
     s, heads = 1100, 1
     g = torch.Generator().manual_seed(0)
     q, k, v, dy = (torch.randn(1, heads, s, 8, generator=g) for _ in range(4))
@@ -93,7 +90,7 @@ def test_alibi_compressed_pse(pse_type):
     for got, want in zip((dq, dk, dv), flash_attention_backward_reference(q, k, v, dy, out, m, l, plan)):
         assert_close(got, want, torch.float32)
     assert_close(dpse, flash_attention_dpse_reference(q, k, v, dy, out, m, l, plan), torch.float32)
-    full = dense_pse(plan, comp, s, s)[0, 0]        # spec 4.3, row i < Sq - 1024: comp[i % 1024, Skv-(i-j)-(1024-m)]
+    full = dense_pse(plan, comp, s, s)[0, 0]        # row i < Sq - 1024: comp[m = i % 1024, Skv-(i-j)-(1024-m)]
     assert full[70, 30] == comp[0, 0, 70, s - 40 - (1024 - 70)] and full[80, 7] == comp[0, 0, 80 - (s - 1024), 7]
     for i, j in ((70, 30), (80, 7), (1099, 1099), (3, 0)):
         assert full[i, j] == comp[0, 0, alibi_source(i, j, s, s)[0], alibi_source(i, j, s, s)[1]]
@@ -117,7 +114,7 @@ def test_dropout(keep_prob, dtype):
     drop = generate_drop_mask(7, 0, B * N1 * sq * skv, keep_prob)
     out, _ = check(LAYOUTS[int(keep_prob * 10) % 4], dtype, sq, skv, keep_prob=keep_prob, drop_mask=drop)
     if keep_prob == 1.0:  # the mask is ignored
-        q, k, v, _ = make(LAYOUTS[2], sq, skv, dtype)
+        q, k, v, _ = attention_inputs(LAYOUTS[2], B, N1, N2, sq, skv, D, D, dtype)
         assert torch.equal(out, attngrad.flash_attention_score(q, k, v, N1, "BSND", scale_value=SCALE)[0])
 
 
@@ -140,7 +137,7 @@ def test_odd_skv_dropout_bits():
 
 @pytest.mark.parametrize("pse_shape", [(B, N1, 1, 40), (1, N1, 33, 40)])
 def test_autograd_with_respect_to_pse(pse_shape):
-    q, k, v, dy = (t.requires_grad_() for t in make("BSH", 33, 40, torch.float32))
+    q, k, v, dy = (t.requires_grad_() for t in attention_inputs("BSH", B, N1, N2, 33, 40, D, D, torch.float32))
     pse = rand(*pse_shape).requires_grad_()
     out = attngrad.flash_attention_score(q, k, v, N1, "BSH", pse=pse, scale_value=SCALE, pse_type=1)[0]
     out.backward(dy)
@@ -159,7 +156,7 @@ def _torch_attention(q, k, v, pse):
 
 def test_npu_training_step_regenerates_the_drop_mask():
     """npu_fusion_attention draws the mask from (seed, offset); the grad regenerates the same one."""
-    q, k, v, dy = make("BNSD", 40, 48, torch.float32)
+    q, k, v, dy = attention_inputs("BNSD", B, N1, N2, 40, 48, D, D, torch.float32)
     fwd = npu.npu_fusion_attention(q, k, v, N1, "BNSD", scale=SCALE, keep_prob=0.7, seed=11, offset=16)
     out, smax, ssum, _, seed, offset, numels = fwd
     assert (seed, offset, numels) == (11, 16, B * N1 * 40 * 48)
@@ -189,7 +186,7 @@ def test_generator_is_reproducible_and_calibrated():
 
 # ----------------------------------------------------------------------------------------- validation
 def _forward(sq=20, skv=20, **kw):
-    q, k, v, _ = make("BNSD", sq, skv, torch.float32)
+    q, k, v, _ = attention_inputs("BNSD", B, N1, N2, sq, skv, D, D, torch.float32)
     return attngrad.flash_attention_score(q, k, v, N1, "BNSD", **kw)
 
 

@@ -11,6 +11,8 @@ import attngrad
 from attngrad import aclnn
 from attngrad.errors import AclnnError
 
+from helpers import acl
+
 NULL, INVALID = 161001, 161002
 TOKENS = 2147483647
 
@@ -125,10 +127,6 @@ def test_bsh_head_split_errors():
     assert exc.value.param == "value"
 
 
-def _acl(t):
-    return t if t is None else aclnn.AclTensor.from_torch(t)
-
-
 def aclnn_grad(args, dq=None, dk=None, dv=None):
     """aclnnFlashAttentionScoreGradV2GetWorkspaceSize status for torch-layer style ``args``."""
     a = dict(base())
@@ -138,11 +136,11 @@ def aclnn_grad(args, dq=None, dk=None, dv=None):
     dk = dk if dk is not None else (torch.zeros_like(k) if isinstance(k, torch.Tensor) else None)
     dv = dv if dv is not None else (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None)
     status, ws, executor = aclnn.aclnnFlashAttentionScoreGradV2GetWorkspaceSize(
-        _acl(q), _acl(k), _acl(v), _acl(a["dy"]), _acl(a.get("pse")), _acl(a.get("drop_mask")), None,
-        _acl(a.get("atten_mask")), _acl(a["softmax_max"]), _acl(a["softmax_sum"]), None, _acl(a["attention_in"]),
+        acl(q), acl(k), acl(v), acl(a["dy"]), acl(a.get("pse")), acl(a.get("drop_mask")), None,
+        acl(a.get("atten_mask")), acl(a["softmax_max"]), acl(a["softmax_sum"]), None, acl(a["attention_in"]),
         a.get("prefix"), None, None, a.get("scale_value", 1.0), a.get("keep_prob", 1.0),
         a.get("pre_tokens", TOKENS), a.get("next_tokens", TOKENS), a["head_num"], a["input_layout"],
-        a.get("inner_precise", 0), a.get("sparse_mode", 0), a.get("pse_type", 1), _acl(dq), _acl(dk), _acl(dv),
+        a.get("inner_precise", 0), a.get("sparse_mode", 0), a.get("pse_type", 1), acl(dq), acl(dk), acl(dv),
         None)
     return status, executor
 
@@ -169,21 +167,21 @@ def test_aclnn_cann_only_rules():
     q = base()["query"]
     assert aclnn_grad({}, dq=torch.zeros(2, 4, 5, 4))[0] == INVALID
     assert aclnn_grad({}, dq=torch.zeros_like(q, dtype=torch.float16))[0] == INVALID
-    # all outputs empty -> success without computing (spec 11.2 step 3), whatever headNum says
+    # all outputs empty -> success without computing (checked before headNum), whatever headNum says
     empty = torch.zeros(0)
     status, executor = aclnn_grad(dict(head_num=-1), dq=empty, dk=empty, dv=empty)
     assert status == 0 and aclnn.aclnnFlashAttentionScoreGradV2(None, 0, executor, None) == 0
-    # seed 004 limits: N <= 256, D <= 512
+    # CANN's documented limits: N <= 256, D <= 512
     big = torch.randn(1, 1, 2, 520)
     status, _, _ = aclnn.aclnnFlashAttentionScoreGetWorkspaceSize(
-        _acl(big), _acl(big), _acl(big), None, None, None, None, None, 1.0, 1.0, TOKENS, TOKENS, 1, "BNSD", 0, 0,
-        _acl(torch.zeros(1, 1, 2, 8)), _acl(torch.zeros(1, 1, 2, 8)), None, _acl(torch.zeros_like(big)))
+        acl(big), acl(big), acl(big), None, None, None, None, None, 1.0, 1.0, TOKENS, TOKENS, 1, "BNSD", 0, 0,
+        acl(torch.zeros(1, 1, 2, 8)), acl(torch.zeros(1, 1, 2, 8)), None, acl(torch.zeros_like(big)))
     assert status == INVALID and "512" in aclnn.aclGetRecentErrMsg()
     # forward outputs are required
     x = torch.randn(1, 1, 2, 8)
     status, _, _ = aclnn.aclnnFlashAttentionScoreGetWorkspaceSize(
-        _acl(x), _acl(x), _acl(x), None, None, None, None, None, 1.0, 1.0, TOKENS, TOKENS, 1, "BNSD", 0, 0,
-        None, _acl(torch.zeros(1, 1, 2, 8)), None, _acl(torch.zeros_like(x)))
+        acl(x), acl(x), acl(x), None, None, None, None, None, 1.0, 1.0, TOKENS, TOKENS, 1, "BNSD", 0, 0,
+        None, acl(torch.zeros(1, 1, 2, 8)), None, acl(torch.zeros_like(x)))
     assert status == NULL and "softmaxMaxOut" in aclnn.aclGetRecentErrMsg()
 
 
@@ -192,9 +190,9 @@ def test_aclnn_non_nd_format():
     t = aclnn.AclTensor.from_torch(a["query"], aclnn.ACL_FORMAT_NCHW)
     dq, dk, dv = (torch.zeros_like(a[n]) for n in ("query", "key", "value"))
     status, _, _ = aclnn.aclnnFlashAttentionScoreGradGetWorkspaceSize(
-        t, _acl(a["key"]), _acl(a["value"]), _acl(a["dy"]), None, None, None, None, _acl(a["softmax_max"]),
-        _acl(a["softmax_sum"]), None, _acl(a["attention_in"]), None, 1.0, 1.0, TOKENS, TOKENS, 4, "BNSD", 0, 0,
-        _acl(dq), _acl(dk), _acl(dv), None)
+        t, acl(a["key"]), acl(a["value"]), acl(a["dy"]), None, None, None, None, acl(a["softmax_max"]),
+        acl(a["softmax_sum"]), None, acl(a["attention_in"]), None, 1.0, 1.0, TOKENS, TOKENS, 4, "BNSD", 0, 0,
+        acl(dq), acl(dk), acl(dv), None)
     assert status == INVALID and "format" in aclnn.aclGetRecentErrMsg()
 
 

@@ -22,6 +22,8 @@ from attngrad.ops import flash_attention_varlen as varlen
 from attngrad.ops.flash_attention_core import split_kwargs
 from attngrad.precision import assert_close
 
+from helpers import acl, varlen_inputs
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 Q_LENS, KV_LENS = [19, 0, 33, 7], [25, 0, 33, 30]
 TOKENS = 2147483647
@@ -29,14 +31,6 @@ TOKENS = 2147483647
 
 def cumulative(lengths):
     return list(itertools.accumulate(lengths))
-
-
-def make(q_lens, kv_lens, n1, n2, d, dv, dtype, seed=0, extra=(0, 0)):
-    """Random TND q, k, v, dy with T = totals + extra rows (already rounded to dtype)."""
-    g = torch.Generator().manual_seed(seed)
-    t1, t2 = sum(q_lens) + extra[0], sum(kv_lens) + extra[1]
-    return tuple(torch.randn(t, n, e, generator=g).to(dtype)
-                 for t, n, e in ((t1, n1, d), (t2, n2, d), (t2, n2, dv), (t1, n1, dv)))
 
 
 def batch_rows(q_lens, kv_lens):
@@ -110,14 +104,14 @@ def check_golden(q, k, v, dy, n1, q_lens, kv_lens, scale, layout=""):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads", [(4, 2), (3, 3), (4, 1)])
 def test_golden_tnd(layout, dtype, heads):
-    q, k, v, dy = make(Q_LENS, KV_LENS, *heads, 16, 8, dtype)
+    q, k, v, dy = varlen_inputs(Q_LENS, KV_LENS, *heads, 16, 8, dtype)
     check_golden(q, k, v, dy, heads[0], Q_LENS, KV_LENS, 0.25, layout)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_each_batch_equals_bnsd_alone(dtype):
     """Bit-for-bit: batch b of the varlen call == the same problem through the BNSD path."""
-    q, k, v, dy = make(Q_LENS, KV_LENS, 4, 2, 32, 32, dtype, seed=3)
+    q, k, v, dy = varlen_inputs(Q_LENS, KV_LENS, 4, 2, 32, 32, dtype, seed=3)
     out, smax, ssum, dq, dk, dv = run_both(q, k, v, dy, 4, Q_LENS, KV_LENS, 0.2, "TND")
     for q0, q1, k0, k1 in batch_rows(Q_LENS, KV_LENS):
         if q1 == q0:
@@ -137,7 +131,7 @@ def test_each_batch_equals_bnsd_alone(dtype):
 def test_long_and_single_rows():
     """Sequences longer than a kernel tile (256) next to one-row ones; Skv = 1 batch."""
     q_lens, kv_lens = [300, 1, 5], [270, 40, 1]
-    q, k, v, dy = make(q_lens, kv_lens, 2, 1, 16, 16, torch.float32, seed=5)
+    q, k, v, dy = varlen_inputs(q_lens, kv_lens, 2, 1, 16, 16, torch.float32, seed=5)
     out, smax, ssum, dq, dk, dv = run_both(q, k, v, dy, 2, q_lens, kv_lens, 0.25)
     want = golden(q, k, v, dy, out, true_tnd_stats(smax, "", q_lens, 2), true_tnd_stats(ssum, "", q_lens, 2),
                   q_lens, kv_lens, 0.25)
@@ -149,7 +143,7 @@ def test_long_and_single_rows():
 
 def test_padding_rows_and_tail_rule():
     """T beyond the totals: allowed when the arrays end with 0 (disabled batch), or when only one T exceeds."""
-    q, k, v, dy = make(Q_LENS, KV_LENS, 2, 2, 16, 16, torch.float32, seed=1, extra=(5, 3))
+    q, k, v, dy = varlen_inputs(Q_LENS, KV_LENS, 2, 2, 16, 16, torch.float32, seed=1, extra=(5, 3))
     seq = dict(actual_seq_qlen=cumulative(Q_LENS) + [0], actual_seq_kvlen=cumulative(KV_LENS) + [0])
     out, smax, ssum = attngrad.flash_attention_score(q, k, v, 2, "TND", scale_value=0.3, **seq)
     dq, dk, dv, _ = attngrad.flash_attention_score_grad(q, k, v, dy, 2, "TND", scale_value=0.3, softmax_max=smax,
@@ -167,7 +161,7 @@ def test_padding_rows_and_tail_rule():
 
 
 def test_all_batches_disabled_zero_fill():
-    q, k, v, dy = make([3], [4], 2, 1, 8, 8, torch.bfloat16)
+    q, k, v, dy = varlen_inputs([3], [4], 2, 1, 8, 8, torch.bfloat16)
     seq = dict(actual_seq_qlen=[0, 0], actual_seq_kvlen=[0, 0])
     out, smax, _ = attngrad.flash_attention_score(q, k, v, 2, "TND", **seq)
     grads = attngrad.flash_attention_score_grad(q, k, v, dy, 2, "TND", **seq)[:3]
@@ -177,7 +171,7 @@ def test_all_batches_disabled_zero_fill():
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_softmax_layouts_and_recompute(dtype):
     """Both data orders describe the same numbers; the grad reads each correctly and equals its recompute."""
-    q, k, v, dy = make(Q_LENS, KV_LENS, 4, 2, 16, 16, dtype, seed=2)
+    q, k, v, dy = varlen_inputs(Q_LENS, KV_LENS, 4, 2, 16, 16, dtype, seed=2)
     seq = dict(actual_seq_qlen=torch.tensor(cumulative(Q_LENS)), actual_seq_kvlen=torch.tensor(cumulative(KV_LENS)))
     results = {lay: run_both(q, k, v, dy, 4, Q_LENS, KV_LENS, 0.25, lay) for lay in ("", "TND")}
     assert torch.equal(true_tnd_stats(results[""][1], "", Q_LENS, 4), results["TND"][1][..., 0])
@@ -191,7 +185,7 @@ def test_softmax_layouts_and_recompute(dtype):
 @pytest.mark.parametrize("layout", ["", "TND"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_autograd_through_flash_attention_score(layout, dtype):
-    q, k, v, dy = make(Q_LENS, KV_LENS, 4, 2, 16, 8, dtype, seed=4)
+    q, k, v, dy = varlen_inputs(Q_LENS, KV_LENS, 4, 2, 16, 8, dtype, seed=4)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     out, smax, _ = attngrad.flash_attention_score(*leaves, 4, "TND", actual_seq_qlen=cumulative(Q_LENS),
                                                   actual_seq_kvlen=cumulative(KV_LENS), scale_value=0.25,
@@ -205,7 +199,7 @@ def test_autograd_through_flash_attention_score(layout, dtype):
 
 
 def test_non_contiguous_inputs():
-    q, k, v, dy = make(Q_LENS, KV_LENS, 2, 2, 16, 16, torch.float16, seed=6)
+    q, k, v, dy = varlen_inputs(Q_LENS, KV_LENS, 2, 2, 16, 16, torch.float16, seed=6)
     strided = [torch.stack([t, torch.zeros_like(t)], -1)[..., 0] for t in (q, k, v, dy)]
     assert not strided[0].is_contiguous()
     for got, want in zip(run_both(*strided, 2, Q_LENS, KV_LENS, 0.25), run_both(q, k, v, dy, 2, Q_LENS, KV_LENS,
@@ -255,7 +249,7 @@ SS_MASK = torch.rand(33, 33, generator=torch.Generator().manual_seed(7)) < 0.3
      lambda b, sq, skv: dict(atten_mask=CAUSAL4, pre_tokens=30, next_tokens=-2, sparse_mode=4 if b == 0 else 2)),
 ])
 def test_sparse_modes_per_batch(mode, tnd_kw, batch_kw):
-    q, k, v, dy = make(Q_LENS, KV_LENS, 4, 2, 16, 16, torch.bfloat16, seed=11)
+    q, k, v, dy = varlen_inputs(Q_LENS, KV_LENS, 4, 2, 16, 16, torch.bfloat16, seed=11)
     check_batches_equal_bnsd(q, k, v, dy, 4, Q_LENS, KV_LENS, dict(sparse_mode=mode) | tnd_kw,
                              lambda b, sq, skv: dict(sparse_mode=mode) | batch_kw(b, sq, skv))
 
@@ -263,7 +257,7 @@ def test_sparse_modes_per_batch(mode, tnd_kw, batch_kw):
 @pytest.mark.parametrize("mode", [7, 8])
 def test_split_modes_follow_the_plan_rule(mode):
     """The per-batch plans of modes 7/8 carry the bands of the plan module's rule ``varlen_sparse_bands``."""
-    q, k, v, _ = make(Q_LENS, KV_LENS, 2, 2, 8, 8, torch.float32)
+    q, k, v, _ = varlen_inputs(Q_LENS, KV_LENS, 2, 2, 8, 8, torch.float32)
     problem = varlen.check_forward(q, k, v, *split_kwargs(2, "TND", actual_seq_qlen=cumulative(Q_LENS),
                                                           actual_seq_kvlen=cumulative(KV_LENS), atten_mask=CAUSAL,
                                                           sparse_mode=mode, pre_tokens=40, next_tokens=-2))
@@ -273,8 +267,8 @@ def test_split_modes_follow_the_plan_rule(mode):
 
 def test_causal_golden_and_no_mask_means_full():
     """Mode 3 against the float64 reference with a right-down causal band per batch; without attenMask the
-    sparse mode has no effect (spec 3.1)."""
-    q, k, v, dy = make(Q_LENS, KV_LENS, 2, 1, 16, 16, torch.float32, seed=12)
+    sparse mode has no effect (docs/cann-semantics.md, 'Masks and sparse modes')."""
+    q, k, v, dy = varlen_inputs(Q_LENS, KV_LENS, 2, 1, 16, 16, torch.float32, seed=12)
     out, *_ = run_both(q, k, v, dy, 2, Q_LENS, KV_LENS, 0.3, "TND", atten_mask=CAUSAL, sparse_mode=3)
     for q0, q1, k0, k1 in batch_rows(Q_LENS, KV_LENS):
         if q1 > q0:
@@ -295,7 +289,7 @@ def _blocks(shapes, dtype, seed):
 @pytest.mark.parametrize("form", ["BNSS", "BN1S"])
 def test_pse_flattened_forms(pse_type, form):
     q_lens, kv_lens = [19, 33, 7], [25, 33, 30]
-    q, k, v, dy = make(q_lens, kv_lens, 4, 2, 16, 16, torch.float16, seed=13)
+    q, k, v, dy = varlen_inputs(q_lens, kv_lens, 4, 2, 16, 16, torch.float16, seed=13)
     shapes = [(4, sq if form == "BNSS" else 1, skv) for sq, skv in zip(q_lens, kv_lens)]
     blocks = _blocks(shapes, torch.float16, 14)
     flat = torch.cat([b.reshape(-1) for b in blocks])
@@ -347,7 +341,7 @@ def _torch_varlen(q, k, v, pse, q_lens, kv_lens, pse_rows, pse_type, scale):
 @pytest.mark.parametrize("pse_type,per_batch", [(2, False), (3, True)])
 def test_pse_generated_alibi_slopes(pse_type, per_batch):
     lens = [19, 33, 7]
-    q, k, v, dy = make(lens, lens, 4, 2, 16, 16, torch.float32, seed=15)
+    q, k, v, dy = varlen_inputs(lens, lens, 4, 2, 16, 16, torch.float32, seed=15)
     slopes = torch.rand(3, 4) if per_batch else torch.rand(4)
     kw = dict(pse_type=pse_type, q_start_idx=[3], kv_start_idx=[1])
     check_batches_equal_bnsd(q, k, v, dy, 4, lens, lens, dict(pse=slopes) | kw,
@@ -355,9 +349,10 @@ def test_pse_generated_alibi_slopes(pse_type, per_batch):
 
 
 def test_pse_alibi_compressed_window():
-    """[1, N1, 1024, maxSkv]: batch b reads rows 1024 - Sq_b.. and columns maxSkv - Skv_b.. (spec 4.3)."""
+    """[1, N1, 1024, maxSkv]: batch b reads rows 1024 - Sq_b.. and columns maxSkv - Skv_b..
+    (docs/cann-semantics.md, 'Varlen (TND)')."""
     lens = [19, 33, 7]
-    q, k, v, dy = make(lens, lens, 2, 2, 16, 16, torch.float32, seed=16)
+    q, k, v, dy = varlen_inputs(lens, lens, 2, 2, 16, 16, torch.float32, seed=16)
     pse = torch.randn(1, 2, 1024, 33)
     kw = dict(atten_mask=CAUSAL4, sparse_mode=3)
     check_batches_equal_bnsd(q, k, v, dy, 2, lens, lens, dict(pse=pse) | kw,
@@ -376,7 +371,7 @@ def test_pse_alibi_compressed_window():
     ([19, 33], [25, 33], dict(atten_mask=CAUSAL[:33, :33], sparse_mode=3), "attenMask"),
 ])
 def test_invalid_tnd_options(q_lens, kv_lens, kw, param):
-    q, k, v, _ = make(q_lens, kv_lens, 4, 4, 8, 8, torch.float32)
+    q, k, v, _ = varlen_inputs(q_lens, kv_lens, 4, 4, 8, 8, torch.float32)
     with pytest.raises(attngrad.AclnnError) as exc:
         attngrad.flash_attention_score(q, k, v, 4, "TND", actual_seq_qlen=cumulative(q_lens),
                                        actual_seq_kvlen=cumulative(kv_lens), **kw)
@@ -384,8 +379,8 @@ def test_invalid_tnd_options(q_lens, kv_lens, kw, param):
 
 
 def test_dropout_bit_blocks_per_batch():
-    """Batch b reads the bits from N1 * sum_{b'<b} Sq_b' Skv_b' on (spec 7.2; offsets not byte-aligned)."""
-    q, k, v, dy = make(Q_LENS, KV_LENS, 3, 1, 16, 16, torch.float32, seed=17)
+    """Batch b reads the bits from N1 * sum_{b'<b} Sq_b' Skv_b' on (offsets not byte-aligned)."""
+    q, k, v, dy = varlen_inputs(Q_LENS, KV_LENS, 3, 1, 16, 16, torch.float32, seed=17)
     total = 3 * sum(a * b for a, b in zip(Q_LENS, KV_LENS))
     drop = torch.randint(0, 256, ((total + 7) // 8,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
     bits = np.unpackbits(drop.numpy(), bitorder="little")
@@ -403,7 +398,7 @@ def test_dropout_bit_blocks_per_batch():
 
 # ------------------------------------------------------------------------------------------ validation
 def _seq_error(qlen, kvlen, t=(59, 88), **kw):
-    q, k, v, _ = make([t[0]], [t[1]], 2, 2, 8, 8, torch.float32)
+    q, k, v, _ = varlen_inputs([t[0]], [t[1]], 2, 2, 8, 8, torch.float32)
     with pytest.raises(attngrad.AclnnError) as exc:
         attngrad.flash_attention_score(q, k, v, 2, "TND", actual_seq_qlen=qlen, actual_seq_kvlen=kvlen, **kw)
     return exc.value
@@ -439,7 +434,7 @@ def test_invalid_attributes(kw, param):
 
 
 def test_invalid_shapes():
-    q, k, v, dy = make(Q_LENS, KV_LENS, 4, 2, 16, 8, torch.float32)
+    q, k, v, dy = varlen_inputs(Q_LENS, KV_LENS, 4, 2, 16, 8, torch.float32)
     seq = dict(actual_seq_qlen=cumulative(Q_LENS), actual_seq_kvlen=cumulative(KV_LENS))
     cases = [((q[None], k, v), "query"), ((q, k, v[:, :1]), "value"), ((q, k[..., :8], v), "key"),
              ((q.half(), k, v), "key")]
@@ -460,18 +455,16 @@ def test_invalid_shapes():
 
 
 # ----------------------------------------------------------------------------------------- interfaces
-def _acl(t):
-    return None if t is None else aclnn.AclTensor.from_torch(t)
 
 
 @pytest.mark.parametrize("v2", [False, True])
 def test_aclnn_varlen_forward_then_grad(v2):
-    q, k, v, dy = make(Q_LENS, KV_LENS, 4, 2, 16, 16, torch.bfloat16, seed=8, extra=(2, 2))
+    q, k, v, dy = varlen_inputs(Q_LENS, KV_LENS, 4, 2, 16, 16, torch.bfloat16, seed=8, extra=(2, 2))
     cq, ck = aclnn.aclCreateIntArray(cumulative(Q_LENS) + [0], 5), aclnn.aclCreateIntArray(cumulative(KV_LENS) + [0], 5)
     out, smax, ssum = torch.zeros_like(dy), torch.zeros(q.shape[0], 4, 8), torch.zeros(q.shape[0], 4, 8)
-    head = (_acl(q), _acl(k), _acl(v), None, None, None, None, None, cq, ck)
+    head = (acl(q), acl(k), acl(v), None, None, None, None, None, cq, ck)
     attrs = (0.25, 1.0, TOKENS, TOKENS, 4, "TND", 0, 0)
-    outs = (_acl(smax), _acl(ssum), None, _acl(out))
+    outs = (acl(smax), acl(ssum), None, acl(out))
     if v2:
         ret, ws, ex = aclnn.aclnnFlashAttentionVarLenScoreV2GetWorkspaceSize(*head, None, None, *attrs, 1, *outs)
         run = aclnn.aclnnFlashAttentionVarLenScoreV2
@@ -485,9 +478,9 @@ def test_aclnn_varlen_forward_then_grad(v2):
     ref = attngrad.flash_attention_score(q, k, v, 4, "TND", **seq)
     assert all(torch.equal(a, b) for a, b in zip((out, smax, ssum), ref))
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    head = (_acl(q), _acl(k), _acl(v), _acl(dy), None, None, None, None, _acl(smax), _acl(ssum), None, _acl(out),
+    head = (acl(q), acl(k), acl(v), acl(dy), None, None, None, None, acl(smax), acl(ssum), None, acl(out),
             None, cq, ck)
-    grads_out = (_acl(dq), _acl(dk), _acl(dv), None)
+    grads_out = (acl(dq), acl(dk), acl(dv), None)
     if v2:
         ret, ws, ex = aclnn.aclnnFlashAttentionUnpaddingScoreGradV2GetWorkspaceSize(*head, None, None, *attrs, 1,
                                                                                     *grads_out)
@@ -503,14 +496,14 @@ def test_aclnn_varlen_forward_then_grad(v2):
 
 
 def test_aclnn_varlen_statuses():
-    q, k, v, dy = make(Q_LENS, KV_LENS, 2, 2, 8, 8, torch.float32)
+    q, k, v, dy = varlen_inputs(Q_LENS, KV_LENS, 2, 2, 8, 8, torch.float32)
     cq, ck = aclnn.aclCreateIntArray(cumulative(Q_LENS), 4), aclnn.aclCreateIntArray(cumulative(KV_LENS), 4)
     out, smax, ssum = torch.zeros_like(dy), torch.zeros(q.shape[0], 2, 8), torch.zeros(q.shape[0], 2, 8)
 
     def forward(layout="TND", qlen=cq, stats=smax):
         return aclnn.aclnnFlashAttentionVarLenScoreGetWorkspaceSize(
-            _acl(q), _acl(k), _acl(v), None, None, None, None, None, qlen, ck, 1.0, 1.0, TOKENS, TOKENS, 2, layout,
-            0, 0, _acl(stats), _acl(ssum), None, _acl(out))[0]
+            acl(q), acl(k), acl(v), None, None, None, None, None, qlen, ck, 1.0, 1.0, TOKENS, TOKENS, 2, layout,
+            0, 0, acl(stats), acl(ssum), None, acl(out))[0]
     assert forward() == 0
     assert forward(layout="BSND") == 161002
     assert forward(qlen=None) == 161001
@@ -518,17 +511,17 @@ def test_aclnn_varlen_statuses():
     assert forward(stats=torch.zeros(q.shape[0], 2, 4)) == 161002
     assert forward(stats=None) == 161001
     grad = aclnn.aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize
-    common = (_acl(q), _acl(k), _acl(v), _acl(dy), None, None, None, None)
+    common = (acl(q), acl(k), acl(v), acl(dy), None, None, None, None)
     tail = (None, cq, ck, 1.0, 1.0, TOKENS, TOKENS, 2, "TND", 0, 0)
-    assert grad(*common, None, None, None, None, *tail, _acl(q.clone()), _acl(k.clone()), _acl(v.clone()),
+    assert grad(*common, None, None, None, None, *tail, acl(q.clone()), acl(k.clone()), acl(v.clone()),
                 None)[0] == 161001                                          # stats and attentionIn required
     empty = torch.zeros(0)
-    assert grad(*common, _acl(smax), _acl(ssum), None, _acl(out), *tail, _acl(empty), _acl(empty), _acl(empty),
+    assert grad(*common, acl(smax), acl(ssum), None, acl(out), *tail, acl(empty), acl(empty), acl(empty),
                 None)[0] == 0                                               # all outputs empty: success
 
 
 def test_npu_tnd_paths():
-    q, k, v, dy = make(Q_LENS, KV_LENS, 4, 2, 16, 16, torch.float16, seed=9)
+    q, k, v, dy = varlen_inputs(Q_LENS, KV_LENS, 4, 2, 16, 16, torch.float16, seed=9)
     cq, ck = cumulative(Q_LENS), cumulative(KV_LENS)
     out, smax, ssum, softmax_out, seed, offset, numels = npu.npu_fusion_attention(
         q, k, v, 4, "TND", scale=0.25, actual_seq_qlen=cq, actual_seq_kvlen=ck, softmax_layout="TND")

@@ -1,4 +1,4 @@
-"""The precision harness (API.md section 7): it must pass good results and catch bad ones."""
+"""The precision harness (README, 'How precision is judged'): it must pass good results and catch bad ones."""
 
 from __future__ import annotations
 

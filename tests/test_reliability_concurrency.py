@@ -1,4 +1,4 @@
-"""Concurrency (issue 9): calls from several Python threads at once (4 threads, mixed operators, dtypes and
+"""Concurrency: calls from several Python threads at once (4 threads, mixed operators, dtypes and
 entry points) give the same bits as the same calls made serially; a rejected aclnn call on one thread
 reports its own message while other threads succeed.
 """
@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from attngrad import aclnn
-from reliability_cases import ACL, DTYPES, OPS, make_outs, same_bits
+from helpers import same_bits
+from reliability_cases import ACL, DTYPES, OPS, make_outs
 
 WORKERS = 4
 

@@ -1,4 +1,4 @@
-"""Determinism (issue 9): identical bits across repeated calls, across numba / torch thread counts and,
+"""Determinism: identical bits across repeated calls, across numba / torch thread counts and,
 for flash attention, across tile schedules (batch splits and the backward's key-chunk count).
 """
 
@@ -12,7 +12,8 @@ import torch
 
 import attngrad
 from attngrad.kernels import flash_attention as fa_kernels
-from reliability_cases import FA_DEFAULTS, same_bits
+from helpers import same_bits
+from reliability_cases import FA_DEFAULTS
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 

@@ -1,4 +1,4 @@
-"""Malformed input at every entry point (issue 9): torch layer, torch_npu names, aclnn V1/V2.
+"""Malformed input at every entry point: torch layer, torch_npu names, aclnn V1/V2.
 
 Cases come from :mod:`reliability_cases`: a valid call, then generic mutations (dtypes incl. int, float64,
 complex and bool, ranks, dims, layouts, head counts, non-tensors, meta / sparse / negated-bit tensors,
@@ -120,7 +120,7 @@ def test_real_attributes_beyond_double(scale):
 
 
 def test_grad_partial_saved_results_is_nullptr():
-    """Torch / npu layers: some but not all of softmax_max / softmax_sum / attention_in -> 161001 (API.md 2)."""
+    """Torch / npu layers: some but not all of softmax_max / softmax_sum / attention_in -> 161001."""
     a = fa_grad_args(random.Random(4), torch.float32, "aclnn")
     for missing in ("softmax_max", "softmax_sum", "attention_in"):
         for layer in ("torch", "npu", "npu_v2"):

@@ -1,4 +1,4 @@
-"""Extreme valid shapes at every operator (issue 9): size-1 dims everywhere, prime sizes, CANN's largest
+"""Extreme valid shapes at every operator: size-1 dims everywhere, prime sizes, CANN's largest
 softmax row (S2 = 4096), T = 1, D = 512, huge B*N with tiny S, zero-size tensors, and 64-bit index
 arithmetic: views whose element offsets pass 2^31 (cheap: untouched memory is never committed) and one
 output of more than 2^31 elements (4.4 GiB, about 7 s).

@@ -1,4 +1,4 @@
-"""Special values (issue 9): inf / nan in the inputs of every operator behave as the spec says.
+"""Special values: inf / nan in the inputs of every operator behave as docs/cann-semantics.md says.
 
 * ScaledMaskedSoftmax: a nan/inf under the mask changes nothing in the forward; one outside the mask
   reaches its row only; the backward's masked positions are exactly 0 whatever dy / y hold (the row sum
@@ -24,7 +24,8 @@ from attngrad.kernels.flash_attention_reference import flash_attention_forward_r
 from attngrad.kernels.scaled_masked_softmax_reference import (scaled_masked_softmax_backward_reference,
                                                                scaled_masked_softmax_reference)
 from attngrad.precision import assert_close, compare
-from reliability_cases import SEG_BWD_FN, SEG_FWD_FN, run_two_phase, same_bits
+from helpers import same_bits
+from reliability_cases import SEG_BWD_FN, SEG_FWD_FN, run_two_phase
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SPECIALS = [float("nan"), float("inf"), float("-inf")]

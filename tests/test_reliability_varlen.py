@@ -1,4 +1,4 @@
-"""Reliability of the varlen (TND) entry points (issue 9), and valid optional inputs of the BNSD ones.
+"""Reliability of the varlen (TND) entry points, and valid optional inputs of the BNSD ones.
 
 Varlen: the torch layer / torch_npu names with inputLayout "TND" and aclnnFlashAttentionVarLenScore[V2] /
 aclnnFlashAttentionUnpaddingScoreGrad[V2]. Cases come from :mod:`reliability_cases`: a valid TND call
@@ -119,8 +119,8 @@ def test_bad_length_arrays_every_entry_point(layer, index):
 
 @pytest.mark.parametrize("layer", ALL)
 def test_tail_rule(layer):
-    """T1 and T2 both beyond the totals: the arrays must end with 0 (spec 8); with the trailing (0, 0) the
-    call is valid and rows beyond the totals are 0."""
+    """T1 and T2 both beyond the totals: the arrays must end with 0 (docs/cann-semantics.md, 'Varlen (TND)');
+    with the trailing (0, 0) the call is valid and rows beyond the totals are 0."""
     a = _base(t1=7, t2=10)
     status, msg = _call(layer, a)
     assert status == INVALID and "actualSeqQLen" in msg, msg

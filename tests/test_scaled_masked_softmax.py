@@ -1,4 +1,4 @@
-"""ScaledMaskedSoftmax(Backward) results against the float64 reference (spec parts A, B, G).
+"""ScaledMaskedSoftmax(Backward) results against the float64 reference (docs/cann-semantics.md, 'ScaledMaskedSoftmax').
 
 Every result is judged by ``attngrad.precision`` with CANN's single-benchmark rule (use_mere=True);
 masked backward outputs must be exactly 0.
@@ -15,6 +15,8 @@ from attngrad import aclnn, npu
 from attngrad.kernels.scaled_masked_softmax_reference import (scaled_masked_softmax_backward_reference,
                                                                scaled_masked_softmax_reference)
 from attngrad.precision import assert_close
+
+from helpers import bits
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ACL_DTYPES = {torch.float32: aclnn.ACL_FLOAT, torch.float16: aclnn.ACL_FLOAT16, torch.bfloat16: aclnn.ACL_BF16,
@@ -53,10 +55,6 @@ def check_backward(dy, y, mask, scale):
     golden = scaled_masked_softmax_backward_reference(dy, y, mask, scale)
     assert_close(out, golden, dy.dtype, use_mere=True, exact_zero=mask)
     return out
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view({2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 # --- forward and backward: dtypes x mask forms x sizes x scales ---
@@ -307,7 +305,7 @@ def test_unmasked_logit_below_mask_value():
     assert y[0, 0, 0, 1] == 1.0
 
 
-# --- the seed examples ---
+# --- CANN's examples ---
 def test_seed_forward_example_torch():
     y = attngrad.scaled_masked_softmax(SEED_X, SEED_MASK, 1.0)
     torch.testing.assert_close(y.flatten(), SEED_FORWARD, atol=1e-6, rtol=0)

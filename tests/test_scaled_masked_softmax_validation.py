@@ -1,4 +1,5 @@
-"""Invalid input of ScaledMaskedSoftmax(Backward) (spec A.3 / B.3 as amended by the seeds and API.md).
+"""Invalid input of ScaledMaskedSoftmax(Backward) (docs/cann-semantics.md, 'ScaledMaskedSoftmax' and
+'Deviations from CANN').
 
 The same case table runs through both layers: the torch layer raises ``AclnnError`` with the status and
 the parameter named; ``attngrad.aclnn`` returns the status and ``aclGetRecentErrMsg`` names the parameter.
@@ -19,6 +20,7 @@ from attngrad import AclnnError, aclnn
 from attngrad.kernels.scaled_masked_softmax_reference import (scaled_masked_softmax_backward_reference,
                                                                scaled_masked_softmax_reference)
 from attngrad.precision import assert_close
+from helpers import acl
 from crashproof import assert_child_ok, run_in_child
 
 NULL, INVALID = aclnn.ACLNN_ERR_PARAM_NULLPTR, aclnn.ACLNN_ERR_PARAM_INVALID
@@ -53,10 +55,6 @@ def call_torch(backward: bool, a: dict):
     return attngrad.scaled_masked_softmax(a["x"], a["mask"], a["scale"], a["fix"])
 
 
-def acl(value, fmt=aclnn.ACL_FORMAT_ND):
-    return aclnn.AclTensor.from_torch(value, fmt) if isinstance(value, torch.Tensor) else value
-
-
 def call_aclnn(backward: bool, a: dict, formats: dict | None = None) -> int:
     """Both phases through attngrad.aclnn; returns the status (the outputs are written in place)."""
     formats = formats or {}
@@ -74,7 +72,7 @@ def call_aclnn(backward: bool, a: dict, formats: dict | None = None) -> int:
 # --- the case table: (id, backward?, argument overrides, status, parameter named, layers) ---
 BOTH, ACLNN_ONLY = ("torch", "aclnn"), ("aclnn",)
 CASES = [
-    # forward: nulls (the seeds win over CANN's code: 161001, not 561103)
+    # forward: nulls (CANN's documentation wins over its code: 161001, not 561103)
     ("x_null", False, {"x": None}, NULL, "x", BOTH),
     ("mask_null", False, {"mask": None}, NULL, "mask", BOTH),
     ("y_null", False, {"y": None}, NULL, "y", ACLNN_ONLY),
@@ -118,7 +116,7 @@ CASES = [
     ("out_null", True, {"out": None}, NULL, "out", ACLNN_ONLY),
     ("out_null_before_shape", True, {"out": None, "dy": t((3, 4, 8))}, NULL, "out", ACLNN_ONLY),
     ("bmask_null_fix_true", True, {"mask": None, "fix": True}, NULL, "mask", ACLNN_ONLY),
-    # dtypes (seed 001: gradOutput, y and out dtypes must match -> 161002)
+    # dtypes (documented: gradOutput, y and out dtypes must match -> 161002)
     ("dy_int32", True, {"dy": t(dtype=torch.int32)}, INVALID, "gradOutput", BOTH),
     ("dy_float64", True, {"dy": t(dtype=torch.float64), "y": t(dtype=torch.float64)}, INVALID, "gradOutput", BOTH),
     ("by_dtype", True, {"y": t(dtype=torch.float16)}, INVALID, "y", BOTH),
@@ -214,7 +212,7 @@ def test_last_dim_limits_accepted_aclnn(s2, backward):
 
 
 def test_backward_s2_zero_is_an_empty_success_aclnn():
-    # seed 002: the backward's last dim is in [0, 4096]; S2 = 0 is an empty tensor -> success
+    # the backward's last dim is in [0, 4096]; S2 = 0 is an empty tensor -> success
     shape = (2, 3, 4, 0)
     a = backward_args(dy=t(shape), y=t(shape), out=t(shape), mask=m(shape))
     assert call_aclnn(True, a) == aclnn.ACLNN_SUCCESS
@@ -320,7 +318,8 @@ def cases(draw, backward: bool):
 
 
 def expected_status(a: dict, backward: bool, aclnn_layer: bool) -> int:
-    """The status the contract prescribes, written independently of the library (spec A.3 / B.3)."""
+    """The status the contract prescribes, written independently of the library (docs/cann-semantics.md,
+    'ScaledMaskedSoftmax')."""
     floats = (torch.float32, torch.float16, torch.bfloat16)
     data_names = ("dy", "y") + (("out",) if aclnn_layer else ()) if backward else \
         ("x",) + (("y",) if aclnn_layer else ())

@@ -4,7 +4,8 @@ The machine's rooflines are measured first (copy bandwidth, fp32 and bf16 GEMM),
 the modules in ``benchmarks/`` (installed as ``attngrad.benchmarks``). Each case times several
 implementations of the same computation (best of N after warm-up) and reports the ratio of each peer's
 time to attngrad's, plus GB/s or TFLOP/s against the matching roofline. Results go to the terminal
-(a rich table), a JSON file and PNG plots.
+(a rich table: the ``cli`` extra), a JSON file and PNG plots (matplotlib: the ``plot`` extra). The method
+is described in docs/performance.md.
 
 Two more sections, each measured in fresh child processes so that runs do not contaminate each other:
 
@@ -183,14 +184,12 @@ def _render(results: list[BenchResult], rooflines: dict[str, float], console) ->
 
 def _plot(results: list[BenchResult], rooflines: dict[str, float], out: Path) -> list[Path]:
     """One PNG per operator: time per case and implementation, and each one's fraction of the roofline."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return []
     import textwrap
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
     paths = []
     for op in sorted({r.case.op for r in results}):
@@ -221,7 +220,7 @@ def _plot(results: list[BenchResult], rooflines: dict[str, float], out: Path) ->
 
 
 def markdown_summary(report: dict) -> str:
-    """The report as Markdown tables (the README's "Benchmark results" section is pasted from it)."""
+    """The report as Markdown tables (the tables of docs/performance.md are pasted from it)."""
     r = report["rooflines"]
     lines = [f"Rooflines measured first: copy {r['copy_gbps']:.1f} GB/s, fp32 GEMM {r['gemm_fp32_tflops']:.2f} TFLOP/s, "
              f"bf16 GEMM {r['gemm_bf16_tflops']:.2f} TFLOP/s. Memory-bound cases are rated against a copy of "
@@ -407,6 +406,11 @@ def _first_calls(ops: list[str], progress) -> list[dict]:
 
 
 def run_bench(args) -> int:
+    from .cli import require_extra
+
+    require_extra("rich", "cli")  # tables and progress; checked before minutes of measuring
+    if not args.no_plots:
+        require_extra("matplotlib", "plot", " (or pass --no-plots)")
     from rich.progress import Progress
 
     out = Path(args.out)

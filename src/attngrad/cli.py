@@ -9,7 +9,7 @@ import sys
 
 
 def run_examples(names: list[str] | None) -> int:
-    """Run every Python port of the seed examples (modules of ``attngrad.examples`` with ``main()``)."""
+    """Run every Python port of CANN's C++ examples (modules of ``attngrad.examples`` with ``main()``)."""
     import attngrad.examples as package
 
     status = 0
@@ -27,46 +27,93 @@ def run_examples(names: list[str] | None) -> int:
     return status
 
 
-def run_verify(ops: list[str] | None) -> int:
-    """Print the precision table of every operator and dtype against the float64 golden."""
-    import torch
+def require_extra(module: str, extra: str, hint: str = ""):
+    """Import ``module`` (an optional dependency) for a command, or exit with one line naming the extra that
+    installs it (``pip install "attngrad[<extra>]"``)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise SystemExit(f'attngrad: this command needs {module.split(".")[0]}, which is not installed: '
+                         f'pip install "attngrad[{extra}]"{hint}') from None
+
+
+def plain_table(title: str, columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """``rows`` as left-aligned text columns under ``title`` (the output without rich)."""
+    widths = [max(len(cell) for cell in column) for column in zip(columns, *rows)]
+    lines = [title] + ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                       for row in (columns, *rows)]
+    return "\n".join(lines)
+
+
+VERIFY_TITLE = "attngrad verify: precision against the float64 golden"
+VERIFY_COLUMNS = ("operator", "dtype", "case", "output", "norm-rel", "MERE", "MARE", "special", "verdict")
+
+
+def verify_rows(ops: list[str] | None, on_case=None) -> list[tuple[str, ...]]:
+    """One row of text cells (``VERIFY_COLUMNS``) per output of every verify case; ``on_case(case)`` is called
+    before each case runs."""
+    from .verification import all_cases
+
+    rows = []
+    for case in all_cases(set(ops) if ops else None):
+        if on_case:
+            on_case(case)
+        dtype = str(case.dtype).replace("torch.", "")
+        for name, report in case.run():
+            rows.append((case.op, dtype, case.label, name, f"{report.norm_rel:.2e}",
+                         f"{report.mere:.2e}" if report.use_mere else "-", f"{report.mare:.2e}",
+                         "ok" if report.special_ok else "BAD", "pass" if report.passed else "FAIL"))
+    return rows
+
+
+def _verify_with_rich(ops: list[str] | None) -> list[tuple[str, ...]]:
+    """The rows of :func:`verify_rows`, with a progress line while they run, printed as a rich table."""
     from rich.console import Console
     from rich.table import Table
 
-    from .precision import MERE_TOL, NORM_REL_TOL
-    from .verification import all_cases
-
-    table = Table(title="attngrad verify: precision against the float64 golden (API.md section 7)")
-    for col in ("operator", "dtype", "case", "output", "norm-rel", "MERE", "MARE", "special", "verdict"):
-        table.add_column(col)
-    failures = 0
     console = Console(width=None if sys.stdout.isatty() else 200)
     with console.status("verifying...") as status:
-        for case in all_cases(set(ops) if ops else None):
-            status.update(f"verifying {case.op} {case.dtype} {case.label}")
-            for name, report in case.run():
-                failures += not report.passed
-                dtype = str(case.dtype).replace("torch.", "")
-                table.add_row(case.op, dtype, case.label, name, f"{report.norm_rel:.2e}",
-                              f"{report.mere:.2e}" if report.use_mere else "-", f"{report.mare:.2e}",
-                              "ok" if report.special_ok else "BAD",
-                              "[green]pass[/green]" if report.passed else "[red]FAIL[/red]")
+        rows = verify_rows(ops, lambda case: status.update(f"verifying {case.op} {case.dtype} {case.label}"))
+    table = Table(title=VERIFY_TITLE)
+    for col in VERIFY_COLUMNS:
+        table.add_column(col)
+    for row in rows:
+        verdict = "[green]pass[/green]" if row[-1] == "pass" else "[red]FAIL[/red]"
+        table.add_row(*row[:-1], verdict)
     console.print(table)
+    return rows
+
+
+def run_verify(ops: list[str] | None) -> int:
+    """Print the precision table of every operator and dtype against the float64 golden (a rich table when
+    rich is installed, plain text otherwise)."""
+    import torch
+
+    from .precision import MERE_TOL, NORM_REL_TOL
+
+    try:
+        import rich  # noqa: F401 - optional (the cli extra)
+    except ImportError:
+        rows = verify_rows(ops)
+        print(plain_table(VERIFY_TITLE, VERIFY_COLUMNS, rows))
+    else:
+        rows = _verify_with_rich(ops)
+    failures = sum(row[-1] != "pass" for row in rows)
     limits = ", ".join(f"{str(d).replace('torch.', '')}: norm-rel <= {NORM_REL_TOL[d]:.1e}, MERE < {MERE_TOL[d]:.2e}"
                        for d in (torch.float32, torch.float16, torch.bfloat16))
-    console.print(f"thresholds: {limits}")
-    console.print(f"{failures} failing outputs" if failures else "all outputs pass")
+    print(f"thresholds: {limits}")
+    print(f"{failures} failing outputs" if failures else "all outputs pass")
     return 1 if failures else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="attngrad", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("examples", help="run the Python ports of the seed examples")
+    ex = sub.add_parser("examples", help="run the Python ports of CANN's C++ examples")
     ex.add_argument("names", nargs="*", help="example module names (default: all)")
     ve = sub.add_parser("verify", help="precision sweep against the float64 golden")
     ve.add_argument("--op", action="append", help="operator name (repeatable; default: all)")
-    be = sub.add_parser("bench", help="benchmark against the PyTorch peers")
+    be = sub.add_parser("bench", help="benchmark against the PyTorch peers (needs the cli and plot extras)")
     from .bench import add_arguments
 
     add_arguments(be)

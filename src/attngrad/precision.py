@@ -1,4 +1,4 @@
-"""How attngrad judges results against a float64 golden (API.md section 7).
+"""How attngrad judges results against a float64 golden (the README's 'How precision is judged').
 
 The golden is computed in float64 from the same inputs (already rounded to their own dtype).
 ``compare`` returns the figures and a verdict:

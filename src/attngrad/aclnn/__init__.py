@@ -1,6 +1,6 @@
 """CANN's two-phase C API, in Python: ``aclnnXGetWorkspaceSize(...) -> (status, ws, executor)`` then
 ``aclnnX(workspace, ws, executor, stream) -> status``. Bad input returns a status (never raises);
-``aclGetRecentErrMsg()`` gives the message. See API.md section 5.
+``aclGetRecentErrMsg()`` gives the message. Status codes: docs/cann-semantics.md, 'Validation order and status codes'.
 """
 
 from ..errors import (ACLNN_ERR_INNER, ACLNN_ERR_INNER_NULLPTR, ACLNN_ERR_INNER_TILING_ERROR,

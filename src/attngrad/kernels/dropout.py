@@ -8,7 +8,8 @@ same with its own documented, counter-based generator (any thread count, any mac
   logical ``[B, N1, Sq, Skv]``, where ``splitmix64(x)``: ``z = x + 0x9E3779B97F4A7C15``,
   ``z = (z ^ z >> 30) * 0xBF58476D1CE4E5B9``, ``z = (z ^ z >> 27) * 0x94D049BB133111EB``, ``z ^ z >> 31``;
 * element e is kept (bit 1) iff ``h(e) >> 40 < round(keep_prob * 2**24)`` (24-bit uniform draw);
-* bits are packed LSB first, ``ceil(numels / 8)`` uint8 bytes (CANN's dropMask format, spec 7.2).
+* bits are packed LSB first, ``ceil(numels / 8)`` uint8 bytes (CANN's dropMask format, see
+  docs/cann-semantics.md, 'Dropout').
 
 The bits are not the NPU's (its Philox stream is device-specific); only the format and the reproducibility
 contract are.

@@ -1,39 +1,36 @@
 """Fused CPU kernels for ExpSegsum (CANN op ``Segsum``) and its backward (``ExpSegsumGrad``).
 
-Both kernels take kernel views (see :mod:`.tensor_view`) with any strides and work on ``problems``:
-the product of all dims but the segment axes, flattened to three dims (``[A, B, C, T]`` for the forward
-input, ``[A, B, C, T, T]`` for the backward inputs; the contract inserts a leading 1 for the smaller rank).
+Contract: kernel views (see :mod:`.tensor_view`: float32, bfloat16 as uint16, float16 as int16; any strides),
+flattened by the caller to ``[A, B, C, T]`` (forward input) and ``[A, B, C, T, T]`` (backward inputs).
+Forward ``out[i, j] = exp(x[j+1] + ... + x[i])`` for ``j <= i`` (diagonal exactly 1), exactly 0 above;
+backward ``grad[k] = sum_{i >= k, j < k} grad_output[i, j] * grad_self[i, j]`` (docs/cann-semantics.md,
+'ExpSegsum'). fp32 sums and exp, one rounding to the output type. Memory: one length-T fp32 vector and one
+output row of scratch per task.
 
-Forward: for each problem a length-T fp32 vector ``acc`` holds the running column sums
-``acc[j] = x[j+1] + ... + x[i]`` (accumulated down each column, as CANN's kernel does; never a difference
-of cumulative sums); row ``i`` is ``exp(acc[j])`` for ``j < i``, exactly 1 on the diagonal, exactly 0 above.
-Unlike CANN the running sums carry a Kahan compensation term (still fp32): the exponent's rounding error
-becomes the output's relative error, and plain fp32 running sums of large segments (|sum| up to 88, the
-fp32 exp range) exceed API.md's fp32 norm-relative limit of 1e-5 (measured up to 1.3e-5; compensated
-about 4x less). nan/inf propagate as in the plain sum. Each row is one fused loop (add x[i] to the column sums,
-exp, round) over whole 16-lane vectors through the diagonal (the columns past it add -0.0 and give 0) into an
-aligned scratch row, copied out with non-temporal stores when the output is large (:func:`.numeric.copy_row`):
-the scalar tail loop and the cache reads of the output's lines cost more than the few lanes of extra work.
-The exp is :func:`.numeric.exp_for`, the cheaper exp2 form for bf16/fp16 outputs. bf16 rounding by
-``narrow_ftz`` (a third cheaper) flushes float32 subnormals, so a problem whose column sums may fall below
--87.3 (:func:`_may_be_subnormal`, one float64 pass over x) rounds by ``narrow``. Measured on [8, 8, 4, 128]:
-these halve the bf16 forward and take a third off the fp32 one.
+Forward: a length-T fp32 vector ``acc`` holds the running column sums ``acc[j] = x[j+1] + ... + x[i]``,
+accumulated down each column as CANN's kernel does (never a difference of cumulative sums). Unlike CANN the
+sums carry a Kahan compensation term (still fp32): the exponent's rounding error becomes the output's relative
+error, and plain fp32 sums of large segments (|sum| up to 88, the fp32 exp range) exceed the fp32
+norm-relative limit of 1e-5 (up to 1.3e-5; compensated about 4x less). nan/inf propagate as in the plain sum.
+Each row is one fused loop (add x[i], exp, round) over whole 16-lane vectors through the diagonal (the columns
+past it add -0.0 and give 0) into an aligned scratch row, copied out with non-temporal stores when the output
+is large (:func:`.numeric.copy_row`). The exp is :func:`.numeric.exp_for`; bf16 rounds by ``narrow_ftz`` unless
+the problem's column sums may fall below -87.3 (:func:`_may_be_subnormal`), where it would flush subnormals.
 
 Backward: rows are swept from ``T-1`` down to 0 keeping a length-T fp32 running column sum of
 ``grad_output * grad_self`` over the strict lower triangle; after row ``i`` is added,
-``grad[i] = sum_{j < i} colsum[j]``. Only the strict lower triangle counts: each row is swept in whole
-16-lane vectors (no scalar remainder loop), the lanes past the diagonal add -0.0, the exact neutral element,
-whatever value lies there. Rows go in pairs (one pass over the column sums for two rows), and while a problem is
-swept the next one is prefetched in ascending rows, two rows per pair: the sweep reads memory in descending
-rows, which the hardware prefetchers do not follow. Rows are read through their addresses
-(:func:`.numeric.array_at`: a view per row would count a reference, an atomic instruction). With enough
-problems one task per problem writes its gradient row directly (a single parallel region per call: the calls
-are short, about 1 ms, so per-call overhead matters).
+``grad[i] = sum_{j < i} colsum[j]``. Each row is swept in whole 16-lane vectors, the lanes past the diagonal
+adding -0.0, the exact neutral element, whatever value lies there. Rows go in pairs (one pass over the column
+sums for two rows), and the next problem is prefetched in ascending rows meanwhile (the sweep reads rows in
+descending order, which the hardware prefetchers do not follow). With enough problems one task per problem
+writes its gradient row directly, in a single parallel region per call (the calls are short).
 
 Work splitting (``splits`` > 1, chosen by the caller when there are few problems): the forward splits
 the rows of a problem into chunks, each chunk first replaying the column sums of the rows above it in
 the same order (so the bits do not depend on the split); the backward splits the columns into chunks of
 equal triangle area and adds the chunks' partial sums in a fixed order.
+
+Measurements behind these choices: docs/performance.md, 'Kernel measurements'.
 """
 
 from __future__ import annotations

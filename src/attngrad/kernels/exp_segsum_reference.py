@@ -1,7 +1,7 @@
 """Plain float64 reference of ExpSegsum and ExpSegsumBackward: the golden of the tests.
 
-The forward follows the doc steps of spec D.2 (broadcast, zero j >= i, cumsum down the rows, -inf
-above the diagonal, exp); the backward follows the seed's nine steps literally (multiply, mask the
+The forward follows CANN's documented steps (broadcast, zero j >= i, cumsum down the rows, -inf
+above the diagonal, exp); the backward follows CANN's nine documented steps literally (multiply, mask the
 diagonal and above, flip, cumsum, flip, mask, sum the last axis). Masks are applied with ``where``, so
 nan/inf on or above the diagonal never reach the result. Inputs are used as given (already rounded to
 their dtype); results are float64.

@@ -5,10 +5,10 @@ BNSD throughout: q ``[B, N1, Sq, D]``, k ``[B, N2, Skv, D]``, v ``[B, N2, Skv, D
 :class:`~attngrad.kernels.flash_attention_plan.AttentionPlan` is implemented densely here (mask, band,
 pse, dropout, invalid rows), so this module is the golden for all of them.
 
-Logits (spec section 0): pse_type 1: ``S = (QK^T + pse) * scale``; otherwise ``S = QK^T * scale + pse``;
-excluded positions get ``-FLT_MAX``. The backward mirrors CANN: it uses the GIVEN softmax_max,
-softmax_sum and out (attentionIn), never recomputed ones. Inputs are used as given (already rounded to
-their dtype); results are float64.
+Logits (docs/cann-semantics.md, 'Position shift (pse)'): pse_type 1: ``S = (QK^T + pse) * scale``;
+otherwise ``S = QK^T * scale + pse``; excluded positions get ``-FLT_MAX``. The backward mirrors CANN: it
+uses the GIVEN softmax_max, softmax_sum and out (attentionIn), never recomputed ones. Inputs are used as
+given (already rounded to their dtype); results are float64.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def dense_pse(plan: AttentionPlan, pse: torch.Tensor | None, sq: int, skv: int) 
 def keep_mask(plan: AttentionPlan, shape: tuple[int, int, int, int]) -> torch.Tensor | None:
     """The dropout keep factor ``M / keep_prob`` as float64 ``shape`` (None when there is no dropout).
 
-    Bits of ``plan.drop_mask`` are LSB first over the flat [B, N1, Sq, Skv] index (spec section 7.2).
+    Bits of ``plan.drop_mask`` are LSB first over the flat [B, N1, Sq, Skv] index.
     """
     if not plan.has_dropout:
         return None
@@ -102,7 +102,7 @@ def flash_attention_forward_reference(q, k, v, plan: AttentionPlan):
     """Returns ``(out [B,N1,Sq,Dv], softmax_max [B,N1,Sq], softmax_sum [B,N1,Sq])``, all float64.
 
     Fully masked rows: max = -FLT_MAX, sum = Skv, uniform P (normal mode); with ``plan.invalid_rows``
-    P = 0, out = 0 and sum = +FLT_MAX (spec section 6).
+    P = 0, out = 0 and sum = +FLT_MAX (docs/cann-semantics.md, 'Fully masked rows').
     """
     n1 = q.shape[1]
     s = logits(q, k, plan)
@@ -126,7 +126,7 @@ def _round(t: torch.Tensor, round_to: torch.dtype | None) -> torch.Tensor:
 
 def flash_attention_backward_reference(q, k, v, dy, out, softmax_max, softmax_sum, plan: AttentionPlan,
                                        round_to: torch.dtype | None = None):
-    """Returns ``(dq, dk, dv)`` float64 shaped like q, k, v (spec section 0).
+    """Returns ``(dq, dk, dv)`` float64 shaped like q, k, v (docs/cann-semantics.md, 'FlashAttentionScoreGrad').
 
     ``softmax_max`` / ``softmax_sum`` are ``[B, N1, Sq]`` (element 0 of CANN's 8 copies), used as given.
     ``round_to`` (e.g. torch.float16) emulates the kernel rounding Pd and dS to the input dtype before

@@ -24,7 +24,7 @@ from numba.core import cgutils, config
 from numba.core.codegen import get_host_cpu_features
 from numba.extending import intrinsic, overload
 
-# fastmath without the no-nan / no-inf assumptions: nan and inf must propagate as the spec says.
+# fastmath without the no-nan / no-inf assumptions: nan and inf must propagate as CANN's kernels propagate them.
 FASTMATH = {"reassoc", "contract", "arcp", "nsz", "afn"}
 
 _TWO_POW_112 = np.float32(2.0**112)
@@ -573,7 +573,8 @@ def _exp2_nonpositive_impl(t, like):
 @njit(inline="always", fastmath=FASTMATH)
 def exp2_32(t):
     """float32 2**t, vectorisable, relative error < 2e-7 for normal results below 2**127.5; 2**0 = 1 exactly,
-    2**(<= -127) = 0, 2**(+inf) = inf, nan stays nan (the lower clamp is written so that a nan passes through it: one ``vmaxps``).
+    2**(<= -127) = 0, 2**(+inf) = inf, nan stays nan (the lower clamp is written so that a nan passes through
+    it: one ``vmaxps``).
 
     The softmax kernels compute ``exp(z - m)`` as ``exp2_32((z - m) * log2 e)``: ``z - m`` is exact when z is
     near the row max m (where the large terms are), and the Cody-Waite reduction of :func:`exp32` is not

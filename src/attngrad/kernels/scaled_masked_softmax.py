@@ -1,35 +1,28 @@
 """Fused CPU kernels for ScaledMaskedSoftmax and its backward, at memory bandwidth.
 
-Both kernels take 4-D kernel views (see :mod:`.tensor_view`): data ``[B, N, S1, S2]`` with any strides,
-and the mask in its own ``[Bm, Nm, S1, S2]`` shape with ``Bm in {1, B}``, ``Nm in {1, N}`` (CANN's
-broadcast on dims 0 and 1). Rows are independent; ``prange`` runs over fixed blocks of ``_ROWS_PER_TASK``
-rows, so every row is computed by the same instructions for any thread count (bit-identical results).
+Contract: data ``[B, N, S1, S2]`` (float32 as float32, bfloat16 as uint16, float16 as int16 kernel views, see
+:mod:`.tensor_view`; any strides), mask ``[Bm, Nm, S1, S2]`` uint8 with ``Bm in {1, B}``, ``Nm in {1, N}``
+(CANN's broadcast on dims 0 and 1). Forward ``y = softmax(where(mask, -10000, x * scale))`` per row, backward
+``where(mask, 0, (dy - sum(dy * y)) * y * scale)``; fp32 math, one rounding to the output type, half to even
+(docs/cann-semantics.md, 'ScaledMaskedSoftmax'). Memory: a few rows of scratch per task, nothing per element.
 
-Each row is read from memory once and written once. Within a block the rows are software-pipelined: one
-loop over the row reads row ``k + 1`` (memory), computes row ``k`` (exp, or the gradient) and writes row
-``k - 1`` (memory), so the memory streams run while the core computes instead of in separate phases. A row is
-rounded into a row buffer and then copied out, by non-temporal stores when the output is large
-(:func:`.numeric.streams`: a plain store would first read each destination line from memory). The forward
-prefetches the input row after next: the hardware prefetchers stop at every 4 KiB page, and a float32 row of
-1024 is one page, so without it each row starts with a cold stream (measured on AMD Zen 5: 14.6 -> 7.9 ms for
-[4, 16, 512, 1024] float32). A float32 row is prefetched in two halves, one before and one after the loop that
-computes the row in between: the whole row at once (80 lines with its mask) is a burst that fills the core's miss
-buffers while that loop's own loads wait (same shape, one process, cold caches: 7.0-8.4 -> 6.1-6.3 ms; splitting
-the loop to spread the prefetches further costs more compute than it saves). bf16/fp16 rows, half as long, are
-compute-bound and keep the single prefetch.
+Rows are independent; ``prange`` runs over fixed blocks of ``_ROWS_PER_TASK`` rows, so every row is computed by
+the same instructions for any thread count (bit-identical results). Each row is read from memory once and
+written once:
 
-The forward is compute-bound per element in bf16/fp16 (one core runs as fast on cached as on uncached rows),
-so its row loop is kept short: ``exp(z - max)`` as ``exp2_nonpositive((z - max) * log2 e, y)`` (no overflow
-clamp, the argument is never positive; for bf16/fp16 outputs a degree-4 polynomial, whose error is 1/170 of
-half their ulp: 4-7% faster), the row maximum as one ``vmaxps`` per vector (a nan needs no propagation through
-it, see ``numeric.fmax_any_nan``), and the fp16 scaling as one float16 multiply. A bf16 row is rounded by the
-CPU's one-instruction conversion (``narrow_ftz``) when none of its outputs is a float32 subnormal, the only
-values on which it differs from the exact rounding; the exp loop tracks the row's smallest positive exp for
-that test (two integer operations per vector against about ten for the exact rounding). Rows advance by
-counters instead of three integer divisions per row, and the scratch rows start on cache lines
-(``numeric.aligned_empty``). Measured on [4, 16, 512, 1024], cold caches, one process: bf16 3.9-4.2 -> 3.2-3.4
-ms, the same bits; fp16 and fp32 within noise (the fp16 forward moves by 10-15% with the machine's state: 3.4-3.6
-ms right after compiling or CPU load, 3.6-4.1 ms loaded from numba's cache on an idle machine, the same instructions).
+* within a block the rows are software-pipelined: one loop reads row ``k + 1``, computes row ``k`` (exp, or the
+  gradient) and writes row ``k - 1``, so the memory streams run while the core computes (:func:`_pipelined_loop`);
+* a row is rounded into a row buffer (on cache lines: ``numeric.aligned_empty``) and copied out, by non-temporal
+  stores when the output is large (:func:`.numeric.streams`);
+* the forward prefetches the input row after next, because the hardware prefetchers stop at every 4 KiB page
+  (:func:`_forward_block`); float32 rows in two halves, bf16/fp16 rows (half as long, compute-bound) at once;
+* the bf16/fp16 forward is compute-bound, so its row loop is kept short: ``exp2_nonpositive`` (no overflow
+  clamp; a degree-4 polynomial for bf16/fp16 outputs), a one-``vmaxps`` row max (``numeric.fmax_any_nan``),
+  the fp16 scaling as one float16 multiply, and bf16 rounding by the one-instruction ``narrow_ftz`` when no
+  output of the row is a float32 subnormal (the only values where it differs from the exact rounding; the exp
+  loop tracks the row's smallest positive exp for that test, two integer operations per vector).
+
+Measurements behind these choices: docs/performance.md, 'Kernel measurements'.
 """
 
 from __future__ import annotations
@@ -203,8 +196,9 @@ def _pipelined_loop(rounding, x, mask, row_nxt, scale, round_scaled, bufs, cur, 
 def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, stream):
     """Softmax of rows [first, last): three fp32 row buffers ``bufs[0..2]`` rotate (loaded, exponentiated,
     stored); a stored row is rounded into ``out`` and copied to y (:func:`_put_row`). The rows r - 1 .. r + 2 in
-    flight are (b0, n0, s0) .. (b3, n3, s3), advanced by :func:`_next_row`: the divisions of :func:`_row` took
-    about 15 ns per row (a bf16 row of 1024 takes about 200 ns on one core)."""
+    flight are (b0, n0, s0) .. (b3, n3, s3), advanced by :func:`_next_row` (the three divisions of :func:`_row`
+    per row cost about 7% of a bf16 row). The row after next is prefetched: a float32 row of 1024 is one
+    4 KiB page, where the hardware prefetchers stop, so without it each row would start with a cold stream."""
     N, S1, S2 = x.shape[1], x.shape[2], x.shape[3]
     y_address, out_address = y.ctypes.data, out.ctypes.data
     b1, n1, s1, _, _ = _row(first, N, S1, mask)
@@ -220,7 +214,9 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, stre
         top_next = np.float32(-np.inf)
         row_nxt, row_after = _row_of(b2, n2, s2, mask), _row_of(b3, n3, s3, mask)
         if r > first and r + 1 < last:
-            split = S2 // 2 if x.itemsize == 4 else S2  # float32: row r + 2 is prefetched in two halves
+            # float32: row r + 2 in two halves; the whole row at once (80 lines with its mask) would fill the
+            # core's miss buffers while this loop's own loads wait
+            split = S2 // 2 if x.itemsize == 4 else S2
             _prefetch_columns(x, mask, row_after, r + 2 < last, 0, split)
             total, top_next, tiny = _pipelined_row(x, mask, row_nxt, scale, round_scaled, bufs, cur, nxt, prv, top,
                                                    inv, out, y, all_normal)
