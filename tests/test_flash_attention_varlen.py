@@ -308,7 +308,7 @@ def test_pse_flattened_forms(pse_type, form):
 def test_autograd_with_respect_to_pse(pse_type, form):
     """Varlen autograd returns dpse like the dense path: against autograd of a float64 torch composition."""
     q_lens, kv_lens, n1, scale = [5, 9], [7, 9], 4, 0.3
-    q, k, v, dy = make(q_lens, kv_lens, n1, 2, 8, 8, torch.float32, seed=21, extra=(2, 0))
+    q, k, v, dy = varlen_inputs(q_lens, kv_lens, n1, 2, 8, 8, torch.float32, seed=21, extra=(2, 0))
     rows = [sq if form == "BNSS" else 1 for sq in q_lens]
     pse = torch.cat([b.reshape(-1) for b in _blocks([(n1, r, skv) for r, skv in zip(rows, kv_lens)],
                                                     torch.float32, 22)])
