@@ -185,6 +185,15 @@ def _assert_all_pass(reports, world):
         assert not failing, f"rank {rank}: {failing}"
 
 
+def _raised(exc_type, call):
+    """The ``exc_type`` error that ``call()`` raises, or the string 'no error'."""
+    try:
+        call()
+    except exc_type as exc:
+        return exc
+    return "no error"
+
+
 # -------------------------------------------------------------------------------------- world sizes
 def _four_ranks(rank, world):
     report = run_cases(list(CASES), rank, world)
@@ -205,33 +214,33 @@ def test_four_ranks_every_case_and_the_mindspeed_adapter():
 def _two_ranks_then_faults(rank, world):
     report = run_cases(list(CASES), rank, world)
     q, k, v = _full_inputs("BSND", torch.float32, 8 + 2 * rank)[:3]       # rank 1's sequence is longer
-    try:
-        ring_flash_attention(q, k, v, N1, "BSND", causal=True)
-        report["mismatch"] = "no error"
-    except attngrad.AclnnError as exc:
-        report["mismatch"] = (exc.status, exc.param, str(exc))
+    exc = _raised(attngrad.AclnnError, lambda: ring_flash_attention(q, k, v, N1, "BSND", causal=True))
+    report["mismatch"] = (exc.status, exc.param, str(exc))
     q, k, v = _full_inputs("BSND", torch.float32, 8)[:3]
+    unsupported = [_raised(attngrad.AclnnError, lambda: ring_flash_attention(q, k, v, N1, layout, **kwargs))
+                   for layout, kwargs in (("BSND", dict(sparse_mode=2)), ("TND", {}),
+                                          ("BSND", dict(pse=torch.zeros(1, N1, 16, 16), pse_type=1)))]
+    report["unsupported"] = [(exc.status, exc.param) for exc in unsupported]
     ring_flash_attention(q, k, v, N1, "BSND", timeout=RING_TIMEOUT_S)   # agreed metadata: no all_gather later
     if rank == 1:
         time.sleep(3 * RING_TIMEOUT_S)                                     # hung: never joins the next call
         return report
-    try:
-        ring_flash_attention(q, k, v, N1, "BSND", timeout=RING_TIMEOUT_S)
-        report["hang"] = "no error"
-    except RingCommunicationError as exc:
-        report["hang"] = str(exc)
+    report["hang"] = str(_raised(RingCommunicationError,
+                                 lambda: ring_flash_attention(q, k, v, N1, "BSND", timeout=RING_TIMEOUT_S)))
     return report
 
 
-def test_two_ranks_every_case_mismatched_metadata_and_a_hung_rank():
+def test_two_ranks_every_case_mismatched_metadata_unsupported_attributes_and_a_hung_rank():
     reports = launch(2, _two_ranks_then_faults)
-    faults = {rank: {name: report.pop(name, None) for name in ("mismatch", "hang")} for rank, report in
-              reports.items()}
+    faults = {rank: {name: report.pop(name, None) for name in ("mismatch", "unsupported", "hang")}
+              for rank, report in reports.items()}
     _assert_all_pass(reports, 2)
     for rank in (0, 1):
         status, param, message = faults[rank]["mismatch"]
         assert (status, param) == (161002, "query"), message
         assert "rank 0: float32[2, 8, 4, 16]" in message and "rank 1: float32[2, 10, 4, 16]" in message
+        assert faults[rank]["unsupported"] == [(161002, "sparse_mode"), (161002, "input_layout"),
+                                               (161002, "pse_type")]
     assert "could not" in faults[0]["hang"] and "within 2 s" in faults[0]["hang"], faults[0]["hang"]
 
 
@@ -244,11 +253,8 @@ def _three_ranks_then_exit(rank, world):
     dist.barrier()
     # the metadata of the first case (already agreed): the call goes straight to the ring
     q, k, v = (t.requires_grad_() for t in _full_inputs("BSND", torch.float32, 16)[:3])
-    try:
-        ring_flash_attention(q, k, v, N1, "BSND", causal=True, scale_value=SCALE, timeout=30).sum().backward()
-        report["exit"] = "no error"
-    except RingCommunicationError as exc:
-        report["exit"] = str(exc)
+    report["exit"] = str(_raised(RingCommunicationError, lambda: ring_flash_attention(
+        q, k, v, N1, "BSND", causal=True, scale_value=SCALE, timeout=30).sum().backward()))
     return report
 
 
