@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from . import flash_attention_score, flash_attention_score_grad
 from .kernels.dropout import generate_drop_mask
-from .validation import check_choice, check_float, check_int, invalid
+from .validation import (check_choice, check_float, check_int, check_int_list, check_range, check_rank, invalid,
+                         require_tensor)
 
 OP = "ring_flash_attention"
 SEQ_DIM = {"BSH": 1, "SBH": 0, "BSND": 1, "BNSD": 2}   # the sequence axis of each layout
@@ -65,7 +66,7 @@ class _Transfer:
     :meth:`wait` returns the received tensors or raises :class:`RingCommunicationError` after the timeout."""
 
     def __init__(self, ring: Ring, tensors, what: str):
-        self.ring, self.what = ring, what
+        self.ring = ring
         sends = [t.contiguous() for t in tensors]
         self.received = [torch.empty_like(t) for t in sends]
         nxt, prev = ring.peer(1), ring.peer(-1)
@@ -200,8 +201,10 @@ class Config:
         return SEQ_DIM[self.layout]
 
 
-def _start(values) -> int:
-    return int(values[0]) if values else 0
+def _start(name: str, values) -> int:
+    """q_start_idx / kv_start_idx: the global start (one integer, absent = 0) that each block shifts."""
+    values = check_int_list(OP, name, values)
+    return values[0] if values else 0
 
 
 def _check_cann_kwargs(kwargs: dict) -> None:
@@ -220,11 +223,15 @@ def make_config(ring: Ring, query, key, value, head_num, input_layout, causal, s
     rank since the metadata agree): layout, one sequence length for q/k/v, shard divisibility, attributes."""
     check_choice(OP, "input_layout", input_layout, tuple(SEQ_DIM))
     _check_cann_kwargs(kwargs)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        require_tensor(OP, name, t)
+        check_rank(OP, name, t, (3 if input_layout in ("BSH", "SBH") else 4,))
     keep_prob = check_float(OP, "keep_prob", keep_prob)
+    check_range(OP, "keep_prob", keep_prob, 0.0, 1.0, low_open=True)
     seq_dim = SEQ_DIM[input_layout]
     local = query.shape[seq_dim]
     for name, t in (("key", key), ("value", value)):
-        if t.dim() != query.dim() or t.shape[seq_dim] != local:
+        if t.shape[seq_dim] != local:
             raise invalid(OP, name, f"sequence axis must equal query's {local} (one sequence is sharded)",
                           list(t.shape))
     if local == 0 or (zigzag and local % 2):
@@ -238,9 +245,9 @@ def make_config(ring: Ring, query, key, value, head_num, input_layout, causal, s
     return Config(head_num=head_num, layout=input_layout, causal=bool(causal), zigzag=bool(zigzag), scale=scale,
                   keep_prob=keep_prob, seed=check_int(OP, "seed", seed), offset=check_int(OP, "offset", offset),
                   inner_precise=kwargs.get("inner_precise", 0), pse=kwargs.get("pse"),
-                  pse_type=kwargs.get("pse_type", 1), q_start=_start(kwargs.get("q_start_idx")),
-                  kv_start=_start(kwargs.get("kv_start_idx")), local_len=local, seq_len=local * ring.size,
-                  batch_heads=batch * head_num)
+                  pse_type=kwargs.get("pse_type", 1), q_start=_start("q_start_idx", kwargs.get("q_start_idx")),
+                  kv_start=_start("kv_start_idx", kwargs.get("kv_start_idx")), local_len=local,
+                  seq_len=local * ring.size, batch_heads=batch * head_num)
 
 
 # -------------------------------------------------------------------------------------------- blocks
