@@ -254,13 +254,14 @@ def make_config(ring: Ring, query, key, value, head_num, input_layout, causal, s
 @dataclass(frozen=True)
 class Block:
     """One flash-attention call of a ring step: local query rows ``[rows)`` against the held K/V rows
-    ``[cols)``; ``causal`` on the diagonal; the global pieces they cover (for dropout and alibi)."""
+    ``[cols)``; ``causal`` on the diagonal; the ``(global start, length)`` pieces they are (for dropout and
+    alibi)."""
 
     rows: tuple[int, int]
     cols: tuple[int, int]
     causal: bool
-    q_pieces: tuple[tuple[int, int], ...]
-    kv_pieces: tuple[tuple[int, int], ...]
+    q_piece: tuple[int, int]
+    kv_piece: tuple[int, int]
 
 
 def _visible(q_piece, kv_piece, causal: bool) -> str | None:
@@ -271,30 +272,16 @@ def _visible(q_piece, kv_piece, causal: bool) -> str | None:
     return "causal" if kv_piece[0] == q_piece[0] else None
 
 
-def _consecutive(indices: list[int]) -> bool:
-    return indices == list(range(indices[0], indices[-1] + 1))
-
-
 def step_blocks(cfg: Config, rank: int, src: int, size: int) -> list[Block]:
-    """The calls of the step where ``rank`` holds the K/V shard of ``src``. One call when the visible pairs
-    of pieces form a full rectangle, or when q and K/V are the same shard under causal (local order follows
-    global order, so the local causal rule is the global one); else one call per visible pair, which alibi
-    always needs (its positions are contiguous and it requires Sq == Skv)."""
+    """The calls of the step where ``rank`` holds the K/V shard of ``src``: one per visible pair of pieces
+    (a zigzag step has 2 or 3, a contiguous one 1). Pieces are contiguous in global positions and of one
+    length, as alibi needs (Sq == Skv), and half-shard calls keep the grad's transient copies small."""
     q_pieces = shard_pieces(rank, size, cfg.local_len, cfg.zigzag)
     kv_pieces = shard_pieces(src, size, cfg.local_len, cfg.zigzag)
     starts = [sum(length for _, length in q_pieces[:i]) for i in range(len(q_pieces) + 1)]
-    pairs = [(i, j, kind) for i, qp in enumerate(q_pieces) for j, kp in enumerate(kv_pieces)
-             if (kind := _visible(qp, kp, cfg.causal))]
-    if cfg.pse is None:
-        if cfg.causal and src == rank:
-            return [Block((0, cfg.local_len), (0, cfg.local_len), True, q_pieces, kv_pieces)]
-        rows, cols = sorted({i for i, _, _ in pairs}), sorted({j for _, j, _ in pairs})
-        if pairs and len(pairs) == len(rows) * len(cols) and _consecutive(rows) and _consecutive(cols) \
-                and all(kind == "full" for *_, kind in pairs):
-            return [Block((starts[rows[0]], starts[rows[-1] + 1]), (starts[cols[0]], starts[cols[-1] + 1]), False,
-                          tuple(q_pieces[i] for i in rows), tuple(kv_pieces[j] for j in cols))]
-    return [Block((starts[i], starts[i + 1]), (starts[j], starts[j + 1]), kind == "causal", (q_pieces[i],),
-                  (kv_pieces[j],)) for i, j, kind in pairs]
+    return [Block((starts[i], starts[i + 1]), (starts[j], starts[j + 1]), kind == "causal", qp, kp)
+            for i, qp in enumerate(q_pieces) for j, kp in enumerate(kv_pieces)
+            if (kind := _visible(qp, kp, cfg.causal))]
 
 
 def _causal_mask() -> torch.Tensor:
@@ -305,17 +292,14 @@ def _causal_mask() -> torch.Tensor:
 def block_drop_mask(cfg: Config, block: Block, batch_heads: int) -> torch.Tensor:
     """The block's packed keep mask: block bit ``((b*N1 + n)*rows + i)*cols + j`` is bit
     ``((b*N1 + n)*S + gi)*S + gj`` of the mask the unsharded call draws from (seed, offset), where gi, gj
-    are the global positions of local row i and column j. Whole global rows are drawn per piece (the
-    generator is counter-based) and their columns selected."""
+    are the global positions of row i and column j. The generator is counter-based: the block's global
+    rows are drawn directly and its columns selected."""
     s = cfg.seq_len
-    cols = np.concatenate([np.arange(start, start + length) for start, length in block.kv_pieces])
+    (q0, rows), (k0, cols) = block.q_piece, block.kv_piece
     bits = []
     for bn in range(batch_heads):
-        for start, length in block.q_pieces:
-            first = (bn * s + start) * s
-            packed = generate_drop_mask(cfg.seed, cfg.offset + first, length * s, cfg.keep_prob).numpy()
-            rows = np.unpackbits(packed, bitorder="little")[:length * s].reshape(length, s)
-            bits.append(rows[:, cols].ravel())
+        packed = generate_drop_mask(cfg.seed, cfg.offset + (bn * s + q0) * s, rows * s, cfg.keep_prob).numpy()
+        bits.append(np.unpackbits(packed, bitorder="little")[:rows * s].reshape(rows, s)[:, k0:k0 + cols].ravel())
     return torch.from_numpy(np.packbits(np.concatenate(bits), bitorder="little"))
 
 
@@ -325,8 +309,8 @@ def block_kwargs(cfg: Config, block: Block, batch_heads: int) -> dict:
     if block.causal:
         kwargs.update(atten_mask=_causal_mask(), sparse_mode=CAUSAL_SPARSE_MODE)
     if cfg.pse is not None:
-        kwargs.update(pse=cfg.pse, pse_type=cfg.pse_type, q_start_idx=[cfg.q_start + block.q_pieces[0][0]],
-                      kv_start_idx=[cfg.kv_start + block.kv_pieces[0][0]])
+        kwargs.update(pse=cfg.pse, pse_type=cfg.pse_type, q_start_idx=[cfg.q_start + block.q_piece[0]],
+                      kv_start_idx=[cfg.kv_start + block.kv_piece[0]])
     if cfg.keep_prob < 1:
         kwargs["drop_mask"] = block_drop_mask(cfg, block, batch_heads)
     return kwargs
