@@ -391,30 +391,35 @@ def ring_forward(cfg: Config, ring: Ring, query, key, value):
     return acc.result(query.dtype)
 
 
+def _block_grads(cfg: Config, block: Block, query, kv, dy, out, softmax_max, softmax_sum) -> tuple:
+    """``(dq, dk, dv)`` of one block from the global statistics and output of its rows."""
+    lo, hi = block.rows
+    return flash_attention_score_grad(
+        _rows(query, cfg, block.rows), _rows(kv[0], cfg, block.cols), _rows(kv[1], cfg, block.cols),
+        _rows(dy, cfg, block.rows), cfg.head_num, cfg.layout, softmax_max=softmax_max[:, :, lo:hi],
+        softmax_sum=softmax_sum[:, :, lo:hi], attention_in=_rows(out, cfg, block.rows),
+        **block_kwargs(cfg, block, cfg.batch_heads))[:3]
+
+
 def ring_backward(cfg: Config, ring: Ring, query, key, value, out, softmax_max, softmax_sum, dy):
     """The backward ring: each block's grad uses the global statistics and output; dQ accumulates here in
-    float32, the float32 dK/dV accumulator of each K/V shard travels with it and after cp hops is home."""
+    float32, the float32 dK/dV accumulator of each K/V shard travels with it and after cp hops is home.
+    The accumulator of the held shard arrives while the step's first block is computed."""
     dq = torch.zeros(query.shape, dtype=torch.float32)
     kv = (key, value)
     dkv = [torch.zeros(t.shape, dtype=torch.float32) for t in kv]
-    kv_hop = dkv_hop = None
+    dkv_hop = None
     for step in range(ring.size):
         kv_hop = _Transfer(ring, kv, f"K/V (backward step {step})") if step < ring.size - 1 else None
-        grads = []
         for block in step_blocks(cfg, ring.rank, (ring.rank - step) % ring.size, ring.size):
-            rows = block.rows
-            dq_b, dk_b, dv_b, _ = flash_attention_score_grad(
-                _rows(query, cfg, rows), _rows(kv[0], cfg, block.cols), _rows(kv[1], cfg, block.cols),
-                _rows(dy, cfg, rows), cfg.head_num, cfg.layout, softmax_max=softmax_max[:, :, rows[0]:rows[1]],
-                softmax_sum=softmax_sum[:, :, rows[0]:rows[1]], attention_in=_rows(out, cfg, rows),
-                **block_kwargs(cfg, block, cfg.batch_heads))
-            _rows(dq, cfg, rows).add_(dq_b)
-            grads.append((block.cols, dk_b, dv_b))
-        if dkv_hop is not None:
+            dq_b, *dkv_b = _block_grads(cfg, block, query, kv, dy, out, softmax_max, softmax_sum)
+            _rows(dq, cfg, block.rows).add_(dq_b)
+            if dkv_hop is not None:
+                dkv, dkv_hop = dkv_hop.wait(), None
+            for total, grad in zip(dkv, dkv_b):
+                _rows(total, cfg, block.cols).add_(grad)
+        if dkv_hop is not None:          # a step without visible blocks
             dkv = dkv_hop.wait()
-        for cols, *block_grads in grads:
-            for total, grad in zip(dkv, block_grads):
-                _rows(total, cfg, cols).add_(grad)
         if ring.size > 1:
             dkv_hop = _Transfer(ring, dkv, f"dK/dV (backward step {step})")
         if kv_hop is not None:
