@@ -123,7 +123,7 @@ def zigzag_shard(x: torch.Tensor, seq_dim: int, group=None, zigzag: bool = True)
 def zigzag_unshard(x: torch.Tensor, seq_dim: int, group=None, zigzag: bool = True) -> torch.Tensor:
     """The full sequence from every rank's shard ``x`` (the inverse of :func:`zigzag_shard`, an all_gather;
     not differentiable)."""
-    rank, size = _group_position(group)
+    size = _group_position(group)[1]
     _chunk("zigzag_unshard", x, seq_dim, 2 if zigzag else 1)
     shards = [torch.empty_like(x) for _ in range(size)]
     dist.all_gather(shards, x.contiguous(), group=group)
