@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
+import tempfile
 import time
 import traceback
 
@@ -47,19 +47,13 @@ CASES = {
 
 
 # ------------------------------------------------------------------------------------------ harness
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world, port, target, results):
+def _entry(rank, world, store, target, results):
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     try:
         import numba
         numba.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=60))
         results.put((rank, target(rank, world)))
     except BaseException:  # report, do not hang the harness
@@ -70,25 +64,27 @@ def _entry(rank, world, port, target, results):
 
 
 def launch(world: int, target) -> dict[int, dict]:
-    """Run ``target(rank, world) -> dict`` on ``world`` gloo ranks; returns each reporting rank's dict."""
+    """Run ``target(rank, world) -> dict`` on ``world`` gloo ranks (a file rendezvous: no port race);
+    returns each reporting rank's dict."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, target, results)) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline, reports = time.monotonic() + HARNESS_LIMIT_S, {}
-    while len(reports) < world and time.monotonic() < deadline and any(p.is_alive() for p in procs) \
-            or not results.empty():
-        try:
-            rank, report = results.get(timeout=1)
-            reports[rank] = report
-        except Exception:
-            pass
-    for p in procs:
-        p.join(5)
-        if p.is_alive():
-            p.kill()
+    with tempfile.TemporaryDirectory(prefix="attngrad-cp-") as tmp:
+        procs = [ctx.Process(target=_entry, args=(r, world, os.path.join(tmp, "store"), target, results))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline, reports = time.monotonic() + HARNESS_LIMIT_S, {}
+        while len(reports) < world and time.monotonic() < deadline and any(p.is_alive() for p in procs) \
+                or not results.empty():
+            try:
+                rank, report = results.get(timeout=1)
+                reports[rank] = report
+            except Exception:
+                pass
+        for p in procs:
+            p.join(5)
+            if p.is_alive():
+                p.kill()
     return reports
 
 
