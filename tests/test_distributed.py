@@ -169,7 +169,7 @@ def _check_case(name, rank, world, s_per_rank=8):
 
 
 def run_cases(names, rank, world):
-    """A launch target (with ``functools.partial``): every named case's failing comparisons, by case."""
+    """Run inside a rank: the failing comparisons of every named case, by case."""
     return {name: _check_case(name, rank, world) for name in names}
 
 
