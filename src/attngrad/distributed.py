@@ -15,6 +15,7 @@ the number of ranks. Rules, limits and failure modes: docs/context-parallel.md.
 from __future__ import annotations
 
 import datetime
+import functools
 import math
 from dataclasses import dataclass
 
@@ -284,8 +285,10 @@ def step_blocks(cfg: Config, rank: int, src: int, size: int) -> list[Block]:
             if (kind := _visible(qp, kp, cfg.causal))]
 
 
+@functools.lru_cache(maxsize=1)
 def _causal_mask() -> torch.Tensor:
-    """The compressed [2048, 2048] mask that sparse mode 3 takes (its content is the standard pattern)."""
+    """The compressed [2048, 2048] mask that sparse mode 3 takes (its content is the standard pattern);
+    built once, never written."""
     return torch.ones(2048, 2048, dtype=torch.bool).triu_(1)
 
 
