@@ -173,7 +173,7 @@ def _score_op(query, key, value, pse, drop_mask, atten_mask, seq_q, seq_kv, *att
 def _score_fake(query, key, value, pse, drop_mask, atten_mask, seq_q, seq_kv, *attributes):
     attrs, tensors = _parsed(attributes, (None, None), pse=pse, drop_mask=drop_mask, atten_mask=atten_mask)
     if attrs.input_layout == "TND":
-        t1, n1, dv = varlen.check_without_lengths(query, key, value, None, attrs, (seq_q, seq_kv))
+        t1, n1, dv = varlen.check_without_lengths(query, key, value, None, attrs, tensors, (seq_q, seq_kv))
         return query.new_empty(t1, n1, dv), _stats_like(query, (t1, n1, STATS_COPIES)), \
             _stats_like(query, (t1, n1, STATS_COPIES))
     geo = check_forward(query, key, value, attrs, tensors).geo
@@ -206,7 +206,7 @@ def _score_grad_fake(query, key, value, dy, pse, drop_mask, atten_mask, softmax_
     attrs, tensors = _parsed(attributes, (None, None), pse=pse, drop_mask=drop_mask, atten_mask=atten_mask,
                              softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=attention_in)
     if attrs.input_layout == "TND":
-        varlen.check_without_lengths(query, key, value, dy, attrs, (seq_q, seq_kv))
+        varlen.check_without_lengths(query, key, value, dy, attrs, tensors, (seq_q, seq_kv))
     else:
         check_backward(query, key, value, dy, attrs, tensors)
     dpse = pse.new_empty(pse.shape) if with_dpse and _float_pse(attrs, tensors) else query.new_empty(0)
@@ -239,24 +239,25 @@ _score_op.register_autograd(_differentiate_score, setup_context=_save_score)
 
 
 # -------------------------------------------------------------------------------------------- torch
-def _op_arguments(attrs: AttentionAttrs, tensors: AttentionTensors, required: tuple, check) -> tuple | None:
-    """The ops' flat scalar arguments and sequence-length tensors from parsed public arguments.
+def _op_arguments(attrs: AttentionAttrs, tensors: AttentionTensors, required: tuple, check) -> tuple:
+    """``(scalars, sequence lengths, tensors)``: the ops' flat arguments from parsed public arguments.
 
     A value the schema cannot carry (a tensor that is not one, an attribute of another type) goes to the
     contract's ``check`` first, so the caller gets CANN's error in CANN's order; values the contract accepts in
-    another form (numpy integers, int lists) are converted."""
+    another form (numpy integers, int lists) are converted, and optional arguments it ignores become None."""
     scalars = tuple(getattr(attrs, name) for name in _ATTRIBUTE_NAMES)
     seq = tuple(getattr(attrs, name) for name in _SEQ_LENGTHS)
     if not (_schema_ready(scalars, seq) and all(isinstance(t, torch.Tensor) for t in required)
             and all(t is None or isinstance(t, torch.Tensor) for t in tensors)):
         check()
+        tensors = AttentionTensors(*(t if isinstance(t, torch.Tensor) else None for t in tensors))
     kinds = (int, str, float, float, int, int, int, int, int, str, tuple, tuple, tuple)
     scalars = tuple(("" if v is None else v) if kind is str else (v if v is None else kind(v))
                     for kind, v in zip(kinds, scalars))
     if attrs.input_layout != "TND":  # only TND reads the sequence lengths
-        return scalars, (None, None)
+        return scalars, (None, None), tensors
     return scalars, tuple(v if v is None or isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.int64)
-                          for v in seq)
+                          for v in seq), tensors
 
 
 def _schema_ready(scalars: tuple, seq: tuple) -> bool:
@@ -280,7 +281,7 @@ def score_op_args(query, key, value, attrs: AttentionAttrs, tensors: AttentionTe
     def check():
         (varlen.check_forward if attrs.input_layout == "TND" else check_forward)(query, key, value, attrs, tensors)
 
-    scalars, seq = _op_arguments(attrs, tensors, (query, key, value), check)
+    scalars, seq, tensors = _op_arguments(attrs, tensors, (query, key, value), check)
     return (query, key, value, tensors.pse, tensors.drop_mask, tensors.atten_mask, *seq, *scalars)
 
 
@@ -291,7 +292,7 @@ def score_grad_op_args(query, key, value, dy, attrs: AttentionAttrs,
         contract = varlen.check_backward if attrs.input_layout == "TND" else check_backward
         contract(query, key, value, dy, attrs, tensors)
 
-    scalars, seq = _op_arguments(attrs, tensors, (query, key, value, dy), check)
+    scalars, seq, tensors = _op_arguments(attrs, tensors, (query, key, value, dy), check)
     return (query, key, value, dy, tensors.pse, tensors.drop_mask, tensors.atten_mask, tensors.softmax_max,
             tensors.softmax_sum, tensors.attention_in, *seq, *scalars, True)
 

@@ -188,16 +188,24 @@ def _check_tnd_inputs(op: str, head_num: int, inputs: tuple, attrs: AttentionAtt
     return VarlenGeometry(query.shape[0], key.shape[0], base.n1, base.n2, base.d, base.dv, cum_q, cum_kv)
 
 
-def check_without_lengths(query, key, value, dy, attrs: AttentionAttrs, seq_lengths: tuple) -> tuple[int, int, int]:
+def check_without_lengths(query, key, value, dy, attrs: AttentionAttrs, tensors: AttentionTensors,
+                          seq_lengths: tuple) -> tuple[int, int, int]:
     """The checks that do not read the values of the sequence lengths, in CANN's order, for the custom ops' fake
     kernels (under torch.compile the lengths are graph inputs without values): the layouts, the tensors and
     their geometry, and the lengths as 1-D integer tensors of equal size. Returns ``(T1, N1, Dv)``."""
     op = FORWARD if dy is None else BACKWARD
     check_input_layout(op, attrs.input_layout, ("TND",))
-    inputs = (query, key, value) if dy is None else (query, key, value, dy)
+    if dy is None:
+        inputs = require_forward_tensors(op, query, key, value, NO_OUTPUTS, False)
+    else:
+        saved = (tensors.softmax_max, tensors.softmax_sum, tensors.attention_in)
+        inputs, _, _ = require_grad_tensors(op, (query, key, value, dy), saved, NO_OUTPUTS, False)
     head_num = check_head_num(op, attrs.head_num)
     _check_softmax_layout(op, attrs.softmax_layout)
-    base = _check_tnd_tensors(op, head_num, inputs)
+    base = _check_tnd_tensors(op, head_num, inputs, tensors.attention_in)
+    for name, t in (("pse", tensors.pse), ("attenMask", tensors.atten_mask), ("dropMask", tensors.drop_mask)):
+        if t is not None:
+            require_tensor(op, name, t)  # a CPU tensor (its shape rules read the lengths)
     for name, lengths in zip(("actualSeqQLen", "actualSeqKvLen"), seq_lengths):
         if lengths is None:
             _seq_list(op, name, None)
