@@ -274,3 +274,34 @@ def test_opcheck_flash_attention(case):
         grad_kwargs["pse"] = pse.detach()
     opcheck(ops.flash_attention_score_grad.default,
             score_grad_op_args(*(t.detach() for t in leaves), dy, *split_kwargs(**grad_kwargs)))
+
+
+def test_flash_attn_interface_compiles_without_recompiles():
+    """flash_attn_func and flash_attn_varlen_func under fullgraph + dynamic: bitwise eager, and new cu_seqlens
+    values (tensors) reuse the graph."""
+    torch._dynamo.reset()
+
+    def dense(q, k, v):
+        return attngrad.flash_attn_func(q, k, v, causal=True, window_size=(8, -1))
+
+    def packed(q, k, v, cu):
+        return attngrad.flash_attn_varlen_func(q, k, v, cu, cu, 32, 32, causal=True)
+
+    def grads(fn, *args):
+        leaves = [t.detach().clone().requires_grad_() for t in args[:3]]
+        out = fn(*leaves, *args[3:])
+        out.backward(torch.ones_like(out))
+        return [out, *(t.grad for t in leaves)]
+
+    q, k, v = _rand(2, 24, 4, 16), _rand(2, 24, 2, 16), _rand(2, 24, 2, 16)
+    tq, tk, tv = _rand(40, 4, 16), _rand(40, 2, 16), _rand(40, 2, 16)
+    compiled_dense = torch.compile(dense, fullgraph=True, dynamic=True, backend="aot_eager")
+    compiled_packed = torch.compile(packed, fullgraph=True, dynamic=True, backend="aot_eager")
+    for got, want in zip(grads(compiled_dense, q, k, v), grads(dense, q, k, v)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for step, cu in enumerate(([0, 10, 40], [0, 25, 40])):
+        cu = torch.tensor(cu, dtype=torch.int32)
+        with torch.compiler.set_stance("fail_on_recompile" if step else "default"):
+            got = grads(compiled_packed, tq, tk, tv, cu)
+        for g, want in zip(got, grads(packed, tq, tk, tv, cu)):
+            torch.testing.assert_close(g, want, rtol=0, atol=0)

@@ -22,24 +22,22 @@ Unsupported flash-attn features raise :class:`attngrad.AclnnError` 161002 naming
 from __future__ import annotations
 
 import copy
-import functools
 import math
 
 import torch
 
 from .npu import npu_fusion_attention_v2
-from .validation import (check_dim_equal, check_float, check_int, check_int_list, check_range, check_rank, invalid,
-                         require_tensor)
+from .validation import (check_dim_equal, check_float, check_int, check_int_list, check_int_tensor, check_range,
+                         check_rank, invalid, require_tensor)
 
 UNBOUNDED = 2147483647                     # pre/next tokens without a bound (the operators' default)
 COMPRESSED_MASK_SIZE = 2048                # sparse modes 3/4 take the [2048, 2048] strict upper triangle
 EMPTY_ROW_MAX = torch.finfo(torch.float32).min   # softmax_max of a row with no visible key (invalid-row mode)
 
 
-@functools.cache
-def _compressed_causal_mask() -> torch.Tensor:
-    """The [2048, 2048] bool strict upper triangle (True = masked) that sparse modes 3 and 4 take."""
-    return torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool).triu(1)
+# The [2048, 2048] bool strict upper triangle (True = masked) that sparse modes 3 and 4 take; built once at import
+# (4 MiB), so that compiled graphs take it as a constant instead of building it on every call.
+_CAUSAL_MASK = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torch.bool).triu(1)
 
 
 class _Attention:
@@ -68,7 +66,7 @@ class _Attention:
         pre, nxt = window or self.window or (None, None)
         kwargs = {}
         if pre is not None:
-            kwargs.update(atten_mask=_compressed_causal_mask(), pre_tokens=pre, next_tokens=nxt,
+            kwargs.update(atten_mask=_CAUSAL_MASK, pre_tokens=pre, next_tokens=nxt,
                           sparse_mode=3 if (pre, nxt) == (UNBOUNDED, 0) else 4)
         if self.slopes is not None:
             kwargs.update(pse=self.slopes, pse_type=2, q_start_idx=[q_start], kv_start_idx=[0])
@@ -103,8 +101,7 @@ def _result(out, softmax_max, softmax_sum, return_attn_probs):
     (softmax_max -FLT_MAX) keeps output 0 but passes no gradient (CANN's invalid-row backward would leave
     ~1e-39 there); softmax_lse = max + log(sum), +inf for such rows."""
     empty = softmax_max == EMPTY_ROW_MAX
-    if empty.any():
-        out = torch.where(empty.transpose(-1, -2)[..., None], 0.0, out)
+    out = torch.where(empty.transpose(-1, -2)[..., None], 0.0, out)  # no data-dependent branch: it compiles
     if not return_attn_probs:
         return out
     return out, torch.where(empty, math.inf, softmax_max + softmax_sum.log()), None
@@ -191,20 +188,29 @@ def _unpack(op: str, name: str, packed, rank: int, dim: int, count: int):
 
 
 # -------------------------------------------------------------------------------------------- varlen
-def _cumulative(op: str, name: str, cu_seqlens) -> list[int]:
-    """flash-attn's ``cu_seqlens`` ``[batch + 1]`` starting at 0 -> CANN's cumulative ends ``[batch]``."""
+def _cumulative(op: str, name: str, cu_seqlens):
+    """flash-attn's ``cu_seqlens`` ``[batch + 1]`` starting at 0 -> CANN's cumulative ends ``[batch]``. A tensor
+    stays a tensor (a view): under torch.compile its values are graph data, checked by the operator's kernel."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        check_int_tensor(op, name, cu_seqlens)
+        if cu_seqlens.numel() == 0 or (not torch.compiler.is_compiling() and int(cu_seqlens[0]) != 0):
+            raise invalid(op, name, "must be [batch + 1] cumulative lengths starting with 0", cu_seqlens.tolist())
+        return cu_seqlens[1:]
     values = check_int_list(op, name, cu_seqlens)
     if not values or values[0] != 0:
         raise invalid(op, name, "must be [batch + 1] cumulative lengths starting with 0", values)
     return values[1:]
 
 
-def _attention_varlen(att: _Attention, q, k, v, ends_q: list[int], ends_k: list[int]):
-    """TND q ``[total_q, H, D]`` -> ``(out [total_q, H, Dv], max [H, total_q], sum [H, total_q])``.
+def _attention_varlen(att: _Attention, q, k, v, ends_q, ends_k):
+    """TND q ``[total_q, H, D]`` -> ``(out [total_q, H, Dv], max [H, total_q], sum [H, total_q])``; ``ends_*``:
+    the cumulative ends as a list or a 1-D integer tensor.
 
     One TND call, except for a generated alibi with some ``Sq_b != Skv_b`` (CANN generates it for square
     batches only): then each sequence runs as its own batched problem."""
-    lengths = list(zip(_lengths(ends_q), _lengths(ends_k)))
+    if att.slopes is not None:  # the alibi cases depend on the lengths' values
+        ends_q, ends_k = (e.tolist() if isinstance(e, torch.Tensor) else e for e in (ends_q, ends_k))
+        lengths = list(zip(_lengths(ends_q), _lengths(ends_k)))
     if att.slopes is None or all(sq == skv > 0 for sq, skv in lengths):
         out, smax, ssum = att.run(q, k, v, "TND", actual_seq_qlen=ends_q, actual_seq_kvlen=ends_k,
                                   softmax_layout="TND")

@@ -52,7 +52,9 @@ def require_tensor(op: str, name: str, t, status: int = ACLNN_ERR_PARAM_NULLPTR)
         raise invalid(op, name, "must be a CPU tensor", t.device)
     if t.layout != torch.strided:  # sparse / mkldnn tensors have no strided memory for the kernels
         raise invalid(op, name, "must be a dense (strided) tensor", t.layout)
-    if t.is_neg():  # e.g. z.conj().imag: the memory holds -t; the kernels read memory
+    # e.g. z.conj().imag: the memory holds -t; the kernels read memory (dynamo cannot trace is_neg(), and a
+    # traced graph's inputs are materialised)
+    if not torch.compiler.is_compiling() and t.is_neg():
         raise invalid(op, name, "must not carry torch's lazy negation bit (call .resolve_neg() first)",
                       "is_neg() == True")
     return t
