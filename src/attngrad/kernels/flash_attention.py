@@ -2,7 +2,8 @@
 
 Shapes: q ``[B, N1, Sq, D]``, k ``[B, N2, Skv, D]``, v ``[B, N2, Skv, Dv]``, dy / out ``[B, N1, Sq, Dv]``
 (one float dtype: float32, float16 or bfloat16; any strides), softmax_max / softmax_sum ``[B, N1, Sq]``
-float32. Query head n reads kv head ``n // G`` with ``G = N1 // N2``. The math is the spec's section 0:
+float32. Query head n reads kv head ``n // G`` with ``G = N1 // N2``. The math (see docs/cann-semantics.md,
+'FlashAttentionScoreGrad'):
 
 * logits ``S = QK^T * scale`` (+ pse: ``(QK^T + pse) * scale`` for pse_type 1, ``QK^T * scale + pse``
   otherwise) in fp32 (the GEMMs of :mod:`.gemm` keep fp32 output for bf16/fp16 inputs); excluded
@@ -17,7 +18,8 @@ float32. Query head n reads kv head ``n // G`` with ``G = N1 // N2``. The math i
   ``dq = scale * dS K``, ``dk = scale * dS^T Q`` and ``dv = Pd^T dy`` summed over the G query heads of a
   kv head; outputs rounded once (half to even). Optionally dpse (pse_type 0/1) from the fp32 dS in the
   same tile loop, accumulated per tile into an fp32 array of pse's own shape (:func:`_add_dpse_row`; a dense
-  [B, N1, Sq, Skv] pse is written straight into the output): the task split (:func:`_dpse_split`) gives every element one owning task, so one fixed summation order.
+  [B, N1, Sq, Skv] pse is written straight into the output): the task split (:func:`_dpse_split`) gives every
+  element one owning task, so one fixed summation order.
 
 Tiles and work split (both cores busy even for one head, results identical for any thread count):
 
@@ -35,8 +37,10 @@ Tiles and work split (both cores busy even for one head, results identical for a
   dV^T take Q^T / dY^T from transposed copies made once per call; bfloat16 tiles with an odd row or column count
   go to MKL (float16 runs on MKL throughout).
 
-Scratch tiles start on cache lines (:func:`.numeric.aligned_empty`; numba's ``np.empty`` starts 32 bytes past one):
-the same bits, the fp32 grad a few percent faster.
+Kernel arguments come in typed bundles (namedtuples, so numba compiles them to plain values): the plan
+(:class:`KernelPlan`), the operands (:class:`ForwardOperands`, :class:`BackwardOperands`), the backward's outputs
+(:class:`Gradients`), a task's scratch tiles (:class:`ForwardScratch`, :class:`BackwardScratch`) and a tile's
+position (:class:`Tile`).
 
 Extra memory: per task a few [BQ, BK] tiles plus the fp32 dQ slices (``chunks * B*N1*Sq*D``), the packed
 bf16 K, V of the forward and the Q^T, dY^T copies of the backward: O(S*D), never an [Sq, Skv] tensor beyond
@@ -51,6 +55,8 @@ from the slopes. Dropout bits are unpacked a byte at a time per row.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -70,12 +76,106 @@ _FWD_BK = 512  # key columns of a forward tile (fewer online-softmax rescales of
 _TARGET_TASKS = 8  # the backward splits keys into chunks until B*N2*chunks reaches this (when it can)
 _OUTSIDE, _INSIDE, _PARTIAL = 0, 1, 2
 
-# Integer parameters of a plan (array ``ip``; float parameters ``fp = [scale, 1 / keep_prob]``).
-_PRE, _NXT, _HAS_MASK, _PSE_KIND, _PSE_FIRST, _SHIFT, _DROPOUT, _SQ, _DPSE, _N1, _SKV, _N_INT = range(12)
 # pse kinds: none, dense [Bp,N1,Sp,Skv], alibi-compressed [Bp,N1,1024,Skv], generated |d|, generated sqrt|d|
 _PSE_NONE, _PSE_DENSE, _PSE_COMPRESSED, _PSE_ALIBI, _PSE_ALIBI_SQRT = range(5)
 
 _KERNEL = dict(parallel=True, fastmath=FASTMATH, cache=True, nogil=True)
+
+
+class KernelPlan(NamedTuple):
+    """An :class:`AttentionPlan` as the kernels read it (:func:`_kernel_plan`); an absent array is a placeholder."""
+
+    mask: np.ndarray  # bool/uint8 [Bm, Nm, Sq, Skv], read when has_mask
+    pse: np.ndarray  # dense [Bp, N1, Sp, Skv], compressed [Bp, N1, 1024, Skv] or float32 slopes [Bs, N1, 1, 1]
+    prefix: np.ndarray  # int64 [B]: keys j < prefix[b] are visible whatever the band
+    drop: np.ndarray  # uint8: the flat bit-packed keep mask, read when dropout
+    pre: int  # the left-up band i - pre <= j <= i + nxt
+    nxt: int
+    has_mask: bool
+    pse_kind: int  # _PSE_NONE .. _PSE_ALIBI_SQRT
+    pse_first: bool  # pse_type 1: (QK^T + pse) * scale
+    shift: int  # kv_start_idx - q_start_idx of the generated alibi
+    dropout: bool
+    dpse: bool  # the backward accumulates dpse
+    invalid_rows: bool  # fully masked rows: out = 0, max = -FLT_MAX, sum = +FLT_MAX (forward)
+    n1: int  # N1, Sq, Skv: the dropout bit index and the compressed pse's rule
+    sq: int
+    skv: int
+    scale: np.float32
+    inv_keep: np.float32  # 1 / keep_prob
+
+
+class Tile(NamedTuple):
+    """Rows [i0, i0 + rows) x columns [j0, j0 + cols) of the scores of batch b, query head n."""
+
+    b: int
+    n: int
+    i0: int
+    rows: int
+    j0: int
+    cols: int
+
+
+class ForwardOperands(NamedTuple):
+    """q, k, v (kernel views) and K^T, V packed per key block by :func:`_pack_kv_kernel` when ``packed``."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    kt: np.ndarray  # [B, N2, blocks, _FWD_BK * D / per]: the B operands of QK^T
+    vt: np.ndarray  # bfloat16: [B, N2, blocks, _FWD_BK * Dv / 2] VNNI pairs, the B operands of PV
+    packed: bool
+
+
+class ForwardScratch(NamedTuple):
+    """A forward task's tiles: fp32 scores s, P p (input dtype), fp32 accumulator acc, running max m and sum l."""
+
+    s: np.ndarray  # [_BQ, _FWD_BK]
+    p: np.ndarray  # [_BQ, _FWD_BK]
+    acc: np.ndarray  # [_BQ, Dv]
+    m: np.ndarray  # [_BQ]
+    l: np.ndarray  # [_BQ]
+
+
+class BackwardOperands(NamedTuple):
+    """q, k, v, dy (kernel views), the Q^T / dY^T copies ``[B, N1, D, Sq]`` of the brgemm path (``packed``), the
+    given softmax stats and ``dr = rowsum(dy * out)`` ``[B, N1, Sq]`` fp32."""
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    dy: np.ndarray
+    qt: np.ndarray
+    dyt: np.ndarray
+    smax: np.ndarray
+    ssum: np.ndarray
+    dr: np.ndarray
+    packed: bool
+
+
+class Gradients(NamedTuple):
+    """The backward's outputs: fp32 dQ slices ``[chunks, B, N1, Sq, D]``, dk, dv and dpse (or a placeholder)."""
+
+    dq_acc: np.ndarray
+    dk: np.ndarray
+    dv: np.ndarray
+    dpse: np.ndarray
+
+
+class BackwardScratch(NamedTuple):
+    """A backward task's tiles (:func:`_backward_scratch`) and the packed brgemm operands of its key block."""
+
+    s: np.ndarray  # fp32 [_BQ, _BK]: scores, then dS
+    dp: np.ndarray  # fp32 [_BQ, _BK]: dY V^T
+    pt: np.ndarray  # input dtype [_BQ, _BK]: Pd
+    dst: np.ndarray  # input dtype [_BQ, _BK]: dS
+    dkt: np.ndarray  # fp32 [D, _BK]: dK^T of the key block
+    dvt: np.ndarray  # fp32 [Dv, _BK]: dV^T of the key block
+    kt: np.ndarray  # the key block's K^T, V^T (:func:`_pack_transposed`) and bfloat16 K (:func:`_pack_rows`)
+    vt: np.ndarray
+    k_pairs: np.ndarray
+    pt_pairs: np.ndarray  # bfloat16 Pd and dS as VNNI pairs (:func:`_pack_tile`)
+    dst_pairs: np.ndarray
 
 
 @njit(inline="always")
@@ -101,8 +201,8 @@ def _visible_cols(i0, rows, j0, cols, nxt, pfx):
 
 @njit(inline="always")
 def _compressed_source(i, sq, h, skv):
-    """(row, col offset) of query row i in the alibi-compressed pse ``[.., h, Skv]`` (spec 4.3,
-    :func:`~.flash_attention_plan.alibi_source`): key j reads column ``j + offset`` of that row."""
+    """(row, col offset) of query row i in the alibi-compressed pse ``[.., h, Skv]``
+    (:func:`~.flash_attention_plan.alibi_source`): key j reads column ``j + offset`` of that row."""
     if i >= sq - h:
         return i - (sq - h), 0
     row = i % h
@@ -110,13 +210,16 @@ def _compressed_source(i, sq, h, skv):
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _add_pse(s, r, cols, i, j0, b, n, pse, ip, scale):
+def _add_pse(s, r, tile, plan):
     """Row r of the tile: raw QK^T -> ``QK^T * scale`` with the pse term of pse_type 0-3, in place.
 
     The pse is read (or generated) for this row's keys only: dense ``[Bp, N1, Sp, Skv]`` broadcast over
-    b and rows, alibi-compressed through the rule of spec 4.3, or ``-slope * |j - i + shift|`` (sqrt).
+    b and rows, alibi-compressed (:func:`_compressed_source`), or ``-slope * |j - i + shift|`` (sqrt); see
+    docs/cann-semantics.md, 'Position shift (pse)'.
     """
-    kind = ip[_PSE_KIND]
+    b, n, i0, _, j0, cols = tile
+    i = i0 + r
+    kind, pse, scale = plan.pse_kind, plan.pse, plan.scale
     if kind == _PSE_NONE:
         for c in range(cols):
             s[r, c] = s[r, c] * scale
@@ -124,7 +227,7 @@ def _add_pse(s, r, cols, i, j0, b, n, pse, ip, scale):
     bp = b if pse.shape[0] > 1 else 0
     if kind >= _PSE_ALIBI:
         slope = widen(pse[bp, n, 0, 0])
-        d0 = j0 - i + ip[_SHIFT]
+        d0 = j0 - i + plan.shift
         for c in range(cols):
             dist = np.float32(abs(d0 + c))
             if kind == _PSE_ALIBI_SQRT:
@@ -133,8 +236,8 @@ def _add_pse(s, r, cols, i, j0, b, n, pse, ip, scale):
         return
     row, off, last = (i if pse.shape[2] > 1 else 0), 0, pse.shape[3] - 1
     if kind == _PSE_COMPRESSED:
-        row, off = _compressed_source(i, ip[_SQ], pse.shape[2], pse.shape[3])
-    first = ip[_PSE_FIRST] != 0
+        row, off = _compressed_source(i, plan.sq, pse.shape[2], pse.shape[3])
+    first = plan.pse_first
     if kind == _PSE_DENSE:
         for c in range(cols):
             x = widen(pse[bp, n, row, j0 + c])
@@ -146,28 +249,31 @@ def _add_pse(s, r, cols, i, j0, b, n, pse, ip, scale):
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _modify_scores(s, r, cols, i, j0, b, n, general, mask, pse, prefix, ip, fp):
-    """Score modifier of row r of a tile (query i, keys j0..j0+cols): raw QK^T -> logit, in place.
+def _modify_scores(s, r, tile, general, plan):
+    """Score modifier of row r of a tile: raw QK^T -> logit, in place.
 
     scale and pse (:func:`_add_pse`); keys outside both the band and the prefix, or set in atten_mask, get
     -FLT_MAX. ``general`` False (tile entirely visible, no mask to read) skips the tests.
     """
     if not general:
-        _add_pse(s, r, cols, i, j0, b, n, pse, ip, fp[0])
+        _add_pse(s, r, tile, plan)
         return
-    lo = min(max(i - ip[_PRE] - j0, 0), cols)
-    hi = max(min(i + ip[_NXT] - j0 + 1, cols), 0)
-    pl = min(max(prefix[b] - j0, 0), cols)
-    if ip[_PSE_KIND] == _PSE_NONE:  # scale and band in one sweep (the diagonal tiles of causal attention)
-        scale = fp[0]
+    b, n, i0, _, j0, cols = tile
+    i = i0 + r
+    lo = min(max(i - plan.pre - j0, 0), cols)
+    hi = max(min(i + plan.nxt - j0 + 1, cols), 0)
+    pl = min(max(plan.prefix[b] - j0, 0), cols)
+    if plan.pse_kind == _PSE_NONE:  # scale and band in one sweep (the diagonal tiles of causal attention)
+        scale = plan.scale
         for c in range(cols):
             s[r, c] = s[r, c] * scale if ((c >= lo) & (c < hi)) | (c < pl) else _NEG
     else:
-        _add_pse(s, r, cols, i, j0, b, n, pse, ip, fp[0])
+        _add_pse(s, r, tile, plan)
         for c in range(cols):
             if not (((c >= lo) & (c < hi)) | (c < pl)):
                 s[r, c] = _NEG
-    if ip[_HAS_MASK] != 0:
+    if plan.has_mask:
+        mask = plan.mask
         bm = b if mask.shape[0] > 1 else 0
         nm = n if mask.shape[1] > 1 else 0
         for c in range(cols):
@@ -195,6 +301,13 @@ def _keep_factors(drop, e0, cols, inv_keep, f):
 
 
 @njit(inline="always")
+def _row_keep_factors(plan, tile, r, f):
+    """:func:`_keep_factors` of row r of the tile (flat keep-mask element ``((b*N1 + n)*Sq + i)*Skv + j``)."""
+    b, n, i0, _, j0, cols = tile
+    _keep_factors(plan.drop, ((b * plan.n1 + n) * plan.sq + i0 + r) * plan.skv + j0, cols, plan.inv_keep, f)
+
+
+@njit(inline="always")
 def _row(a, i0, i1, i2):
     """a[i0, i1, i2, :] as a C-contiguous 1-D array (a's last dim is unit-stride, :func:`_view`): loops over it
     vectorise, and compile the same (same bits), whatever a's other strides (numba's layout 'A' ones do not)."""
@@ -219,6 +332,24 @@ def _ld(a):
 
 
 @njit(inline="always")
+def _matrix(a, b, n, i):
+    """GEMM operand (:mod:`.gemm`: address, leading dim) of the ``[S - i, D]`` matrix ``a[b, n, i:]``."""
+    return row_address(a, b, n, i), _ld(a)
+
+
+@njit(inline="always")
+def _columns(at, b, n, i):
+    """GEMM operand of ``at[b, n, :, i:]`` (``[D, S - i]``) of a transposed copy ``at`` ``[B, N, D, S]``."""
+    return row_address(at, b, n, 0) + i * at.itemsize, _ld(at)
+
+
+@njit(inline="always")
+def _scratch(t):
+    """GEMM operand of a 2-D scratch tile (row-major, C-contiguous)."""
+    return t.ctypes.data, t.shape[1]
+
+
+@njit(inline="always")
 def _dead_row(smax, b, n, i0, rows):
     """True when a row of the block has the max of a fully masked row: exp(S - max) is then not 0 outside."""
     for r in range(rows):
@@ -237,29 +368,30 @@ def _row_max(s, r, cols):
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
-def _forward_tile(s, p, acc, m, l, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp):
-    """Online-softmax update of one tile: s holds QK^T; p gets exp(S - m_new), times the dropout factor
-    M / keep_prob (the sum l takes the undropped values).
+def _forward_tile(work, tile, general, plan):
+    """Online-softmax update of one tile: work.s holds QK^T; work.p gets exp(S - m_new), times the dropout factor
+    M / keep_prob (the sum l takes the undropped values); work.acc is rescaled to the new max.
 
     Plain tiles (no score modifier, scale > 0) keep s raw: ``max(S) = max(QK^T) * scale`` (rounding is
     monotonic) and ``exp(QK^T * scale - m)`` in the same sweep as the rounding of P and the row sum.
     Other tiles get their logits from :func:`_modify_scores` first (then the scale factor is 1).
     """
     prefer_512_bit_vectors()
+    s, p, acc, m, l = work.s, work.p, work.acc, work.m, work.l
+    rows, cols = tile.rows, tile.cols
     dv = acc.shape[1]
-    dropout = ip[_DROPOUT] != 0
-    raw = not general and ip[_PSE_KIND] == _PSE_NONE and fp[0] > 0
-    scale = fp[0] if raw else np.float32(1.0)
+    dropout = plan.dropout
+    raw = not general and plan.pse_kind == _PSE_NONE and plan.scale > 0
+    scale = plan.scale if raw else np.float32(1.0)
     f = aligned_empty((cols,), np.float32)
     for r in range(rows):
-        i = i0 + r
         if not raw:
-            _modify_scores(s, r, cols, i, j0, b, n, general, mask, pse, prefix, ip, fp)
+            _modify_scores(s, r, tile, general, plan)
         new = max(m[r], _row_max(s, r, cols) * scale)
         alpha = exp32(m[r] - new)
         total = np.float32(0.0)
         if dropout:
-            _keep_factors(drop, ((b * ip[_N1] + n) * ip[_SQ] + i) * ip[_SKV] + j0, cols, fp[1], f)
+            _row_keep_factors(plan, tile, r, f)
             for c in range(cols):
                 e = exp2_32((s[r, c] * scale - new) * LOG2E)
                 p[r, c] = narrow_ftz(e * f[c], p)
@@ -320,19 +452,19 @@ def _pack_rows(x, b, n, j0, cols, out):
 
 @njit(inline="always")
 def _rows_operand(x, b, n, j0, packed):
-    """(address, ldb) of the B operand ``x[b, n, j0:j0+cols]`` (``[cols, D]``): float32 read in place, bfloat16
-    from its VNNI packing at address ``packed`` (:func:`_pack_rows`, row stride D)."""
+    """GEMM operand (address, ldb) of the B ``x[b, n, j0:j0+cols]`` (``[cols, D]``): float32 read in place,
+    bfloat16 from its VNNI packing at address ``packed`` (:func:`_pack_rows`, row stride D)."""
     if not _pairs(x):
-        return row_address(x, b, n, j0), _ld(x)
+        return _matrix(x, b, n, j0)
     return packed, x.shape[3]
 
 
 @njit(inline="always")
 def _tile_operand(t, rows, cols, out):
-    """(address, ldb) of the B operand ``t[:rows, :cols]`` of a 2-D tile: float32 in place, bfloat16 packed into
-    out (:func:`_pack_tile`)."""
+    """GEMM operand (address, ldb) of the B ``t[:rows, :cols]`` of a 2-D tile: float32 in place, bfloat16 packed
+    into out (:func:`_pack_tile`)."""
     if not _pairs(t):
-        return t.ctypes.data, t.shape[1]
+        return _scratch(t)
     _pack_tile(t, rows, cols, out)
     return out.ctypes.data, cols
 
@@ -347,9 +479,9 @@ def _pack_tile(t, rows, cols, out):
 
 
 @njit(**_KERNEL)
-def _pack_kv_kernel(k, v, kt, vv):
+def _pack_kv_kernel(k, v, kt, vt):
     """K and V key blocks (``_FWD_BK`` keys) packed for the forward's brgemm: ``kt[b, n2, kb]`` the B of QK^T
-    (:func:`_pack_transposed`) and, for bfloat16, ``vv[b, n2, kb]`` the B of PV (:func:`_pack_rows`; a block with an
+    (:func:`_pack_transposed`) and, for bfloat16, ``vt[b, n2, kb]`` the B of PV (:func:`_pack_rows`; a block with an
     odd column count is left out: MKL takes it; float32 reads V in place)."""
     B, N2, Skv, _ = k.shape
     nkb = kt.shape[2]
@@ -361,79 +493,77 @@ def _pack_kv_kernel(k, v, kt, vv):
         cols = min(_FWD_BK, Skv - j0)
         _pack_transposed(k, b, n2, j0, cols, kt[b, n2, kb])
         if _pairs(v) and cols % 2 == 0:
-            _pack_rows(v, b, n2, j0, cols, vv[b, n2, kb])
+            _pack_rows(v, b, n2, j0, cols, vt[b, n2, kb])
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
-def _forward_block(q, k, v, kt, vv, packed, b, n, i0, rows, mask, pse, prefix, drop, ip, fp, allow_skip,
-                   s, p, acc, m, l):
-    """One query block over all key blocks; returns True when a tile outside the visible region was skipped.
+def _forward_block(ops, plan, b, n, i0, rows, allow_skip, work):
+    """Query rows [i0, i0 + rows) of (b, n) over all key blocks, into work.acc / m / l; returns True when a tile
+    outside the visible region was skipped (``allow_skip``).
 
-    ``packed``: kt / vv hold K and V packed by :func:`_pack_kv_kernel`; the two GEMMs of a tile then run on the
-    brgemm (bfloat16: tiles with an even column count), the others on MKL."""
+    ``ops.packed``: the two GEMMs of a tile run on the brgemm (bfloat16: tiles with an even column count), the
+    others on MKL."""
+    q, k, v = ops.q, ops.k, ops.v
+    s, p, acc = work.s, work.p, work.acc
     n2 = n // (q.shape[1] // k.shape[1])
     D, Skv, Dv = q.shape[3], k.shape[2], v.shape[3]
     BK = s.shape[1]
-    m[:] = -np.inf
-    l[:] = 0.0
+    work.m[:] = -np.inf
+    work.l[:] = 0.0
     skipped = False
     first = True  # the first computed tile sets acc: its old content is never read (its rescale by alpha = 0 is moot)
     for j0 in range(0, Skv, BK):
         block = min(BK, Skv - j0)  # the key block's width (the row stride of its packed K^T)
-        cols = _visible_cols(i0, rows, j0, block, ip[_NXT], prefix[b]) if allow_skip else block
+        cols = _visible_cols(i0, rows, j0, block, plan.nxt, plan.prefix[b]) if allow_skip else block
         skipped |= cols < block
-        kind = _tile_kind(i0, rows, j0, cols, ip[_PRE], ip[_NXT], prefix[b])
+        kind = _tile_kind(i0, rows, j0, cols, plan.pre, plan.nxt, plan.prefix[b])
         if cols == 0 or (kind == _OUTSIDE and allow_skip):
             skipped = True
             continue
-        on_brgemm = packed and (block % 2 == 0 or not _pairs(q))
+        on_brgemm = ops.packed and (block % 2 == 0 or not _pairs(q))
         if on_brgemm:
-            brgemm(q, rows, cols, D, _ld(q), block, BK, False, row_address(q, b, n, i0),
-                   row_address(kt, b, n2, j0 // BK), s.ctypes.data)
+            kt = (row_address(ops.kt, b, n2, j0 // BK), block)
+            brgemm(q, rows, cols, D, _matrix(q, b, n, i0), kt, _scratch(s), False)
         else:
-            gemm(q, NO_TRANS, TRANS, rows, cols, D, 1.0, row_address(q, b, n, i0), _ld(q), row_address(k, b, n2, j0),
-                 _ld(k), 0.0, s.ctypes.data, BK)
-        general = ip[_HAS_MASK] != 0 or kind != _INSIDE
-        _forward_tile(s, p, acc, m, l, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp)
+            gemm(q, NO_TRANS, TRANS, rows, cols, D, _matrix(q, b, n, i0), _matrix(k, b, n2, j0), _scratch(s), False)
+        general = plan.has_mask or kind != _INSIDE
+        _forward_tile(work, Tile(b, n, i0, rows, j0, cols), general, plan)
         if on_brgemm:
-            v_address, ldv = _rows_operand(v, b, n2, j0, row_address(vv, b, n2, j0 // BK))
-            brgemm(q, rows, Dv, cols, BK, ldv, Dv, not first, p.ctypes.data, v_address, acc.ctypes.data)
+            vp = _rows_operand(v, b, n2, j0, row_address(ops.vt, b, n2, j0 // BK))
+            brgemm(q, rows, Dv, cols, _scratch(p), vp, _scratch(acc), not first)
         else:
-            gemm(q, NO_TRANS, NO_TRANS, rows, Dv, cols, 1.0, p.ctypes.data, BK, row_address(v, b, n2, j0), _ld(v),
-                 0.0 if first else 1.0, acc.ctypes.data, Dv)
+            gemm(q, NO_TRANS, NO_TRANS, rows, Dv, cols, _scratch(p), _matrix(v, b, n2, j0), _scratch(acc), not first)
         first = False
     return skipped
 
 
 @njit(**_KERNEL)
-def _forward_kernel(q, k, v, kt, vv, packed, mask, pse, prefix, drop, ip, fp, invalid_rows, out, smax, ssum):
+def _forward_kernel(ops, plan, out, smax, ssum):
+    """out ``[B, N1, Sq, Dv]``, smax / ssum ``[B, N1, Sq]`` fp32 (written in place); tasks (b, n1, query block)."""
+    q = ops.q
     B, N1, Sq, _ = q.shape
-    Dv = v.shape[3]
+    Dv = ops.v.shape[3]
     nqb = (Sq + _BQ - 1) // _BQ
     for task in prange(B * N1 * nqb):
         b = task // (N1 * nqb)
         n = (task // nqb) % N1
         i0 = (task % nqb) * _BQ
         rows = min(_BQ, Sq - i0)
-        s = aligned_empty((_BQ, _FWD_BK), np.float32)
-        p = aligned_empty((_BQ, _FWD_BK), q.dtype)
-        acc = aligned_empty((_BQ, Dv), np.float32)
-        m = aligned_empty((_BQ,), np.float32)
-        l = aligned_empty((_BQ,), np.float32)
-        if (_forward_block(q, k, v, kt, vv, packed, b, n, i0, rows, mask, pse, prefix, drop, ip, fp, True,
-                           s, p, acc, m, l)
-                and not invalid_rows):
+        work = ForwardScratch(aligned_empty((_BQ, _FWD_BK), np.float32), aligned_empty((_BQ, _FWD_BK), q.dtype),
+                              aligned_empty((_BQ, Dv), np.float32), aligned_empty((_BQ,), np.float32),
+                              aligned_empty((_BQ,), np.float32))
+        m, l, acc = work.m, work.l, work.acc
+        if _forward_block(ops, plan, b, n, i0, rows, True, work) and not plan.invalid_rows:
             for r in range(rows):  # a fully masked row sums exp(0) over ALL keys: redo without skipping
                 if not m[r] > _NEG:
-                    _forward_block(q, k, v, kt, vv, packed, b, n, i0, rows, mask, pse, prefix, drop, ip, fp,
-                                   False, s, p, acc, m, l)
+                    _forward_block(ops, plan, b, n, i0, rows, False, work)
                     break
-        if packed:
+        if ops.packed:
             brgemm_release()
         for r in range(rows):
             outr = _row(out, b, n, i0 + r)  # a C row: the loops vectorise for any strides of out
             dead = not m[r] > _NEG
-            if dead and invalid_rows:
+            if dead and plan.invalid_rows:
                 smax[b, n, i0 + r] = _NEG
                 ssum[b, n, i0 + r] = _FLT_MAX
                 for d in range(Dv):
@@ -461,15 +591,18 @@ def _row_dot_kernel(dy, out, dr):
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
-def _backward_tile(s, dp, pt, dst, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp,
-                   smax, ssum, dr, dpse):
-    """P = exp(S - max) * (1 / sum); Pd = P M / keep_prob -> pt and dS = P (dP M / keep_prob - Dr) -> dst (input
-    dtype); with ``ip[_DPSE]`` dS (times scale for pse_type 1) is added by :func:`_add_dpse_row`. Plain tiles
-    (no score modifier) keep s raw and scale it inside the exp sweep."""
+def _backward_tile(work, tile, general, plan, ops, dpse):
+    """work.s holds QK^T, work.dp dY V^T: P = exp(S - max) * (1 / sum); Pd = P M / keep_prob -> work.pt and
+    dS = P (dP M / keep_prob - Dr) -> work.s (fp32) and work.dst (input dtype); with ``plan.dpse`` dS (times scale
+    for pse_type 1) is added by :func:`_add_dpse_row`. Plain tiles (no score modifier) keep s raw and scale it
+    inside the exp sweep."""
     prefer_512_bit_vectors()
-    dropout = ip[_DROPOUT] != 0
-    raw = not general and ip[_PSE_KIND] == _PSE_NONE
-    scale = fp[0] if raw else np.float32(1.0)
+    s, dp, pt, dst = work.s, work.dp, work.pt, work.dst
+    smax, ssum, dr = ops.smax, ops.ssum, ops.dr
+    b, n, i0, rows, _, cols = tile
+    dropout = plan.dropout
+    raw = not general and plan.pse_kind == _PSE_NONE
+    scale = plan.scale if raw else np.float32(1.0)
     f = aligned_empty((cols,), np.float32)
     for r in range(rows):
         i = i0 + r
@@ -477,9 +610,9 @@ def _backward_tile(s, dp, pt, dst, rows, cols, general, b, n, i0, j0, mask, pse,
         inv_l = np.float32(1.0) / ssum[b, n, i]
         dri = dr[b, n, i]
         if not raw:
-            _modify_scores(s, r, cols, i, j0, b, n, general, mask, pse, prefix, ip, fp)
+            _modify_scores(s, r, tile, general, plan)
         if dropout:
-            _keep_factors(drop, ((b * ip[_N1] + n) * ip[_SQ] + i) * ip[_SKV] + j0, cols, fp[1], f)
+            _row_keep_factors(plan, tile, r, f)
             for c in range(cols):
                 pr = exp2_32((s[r, c] * scale - mr) * LOG2E) * inv_l
                 pt[r, c] = narrow_ftz(pr * f[c], pt)
@@ -491,21 +624,23 @@ def _backward_tile(s, dp, pt, dst, rows, cols, general, b, n, i0, j0, mask, pse,
                 pt[r, c] = narrow_ftz(pr, pt)
                 s[r, c] = pr * (dp[r, c] - dri)
                 dst[r, c] = narrow_ftz(s[r, c], dst)
-        if ip[_DPSE] != 0 and mr > _NEG:
-            _add_dpse_row(s, r, cols, i, j0, b, n, ip, fp, dpse)
+        if plan.dpse and mr > _NEG:
+            _add_dpse_row(s, r, tile, plan, dpse)
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _add_dpse_row(s, r, cols, i, j0, b, n, ip, fp, dpse):
-    """dS of row r (query i, keys j0..j0+cols; times scale for pse_type 1) added into the fp32 accumulator of
-    pse's own shape (or the dpse output itself, see :func:`_dpse_target`), where logit (b, n, i, j) read its
-    pse: ``dpse[b or 0, n, i or 0, j]``, or for the alibi-compressed form the stored element of
-    :func:`_compressed_source`, keys ``j <= i`` only (the causal part; the others are masked). Rows whose max is the fully-masked fill are skipped by the caller (their
-    logits do not depend on pse)."""
-    factor = fp[0] if ip[_PSE_FIRST] != 0 else np.float32(1.0)
+def _add_dpse_row(s, r, tile, plan, dpse):
+    """dS of row r of the tile (times scale for pse_type 1) added into the fp32 accumulator of pse's own shape
+    (or the dpse output itself, see :func:`_dpse_target`), where logit (b, n, i, j) read its pse:
+    ``dpse[b or 0, n, i or 0, j]``, or for the alibi-compressed form the stored element of
+    :func:`_compressed_source`, keys ``j <= i`` only (the causal part; the others are masked). Rows whose max is
+    the fully-masked fill are skipped by the caller (their logits do not depend on pse)."""
+    b, n, i0, _, j0, cols = tile
+    i = i0 + r
+    factor = plan.scale if plan.pse_first else np.float32(1.0)
     bp = b if dpse.shape[0] > 1 else 0
-    if ip[_PSE_KIND] == _PSE_COMPRESSED:
-        row, off = _compressed_source(i, ip[_SQ], dpse.shape[2], dpse.shape[3])
+    if plan.pse_kind == _PSE_COMPRESSED:
+        row, off = _compressed_source(i, plan.sq, dpse.shape[2], dpse.shape[3])
         for c in range(max(min(cols, i - j0 + 1), 0)):
             dpse[bp, n, row, j0 + c + off] += s[r, c] * factor
         return
@@ -515,128 +650,132 @@ def _add_dpse_row(s, r, cols, i, j0, b, n, ip, fp, dpse):
 
 
 @njit(inline="always")
-def _pack_key_block(k, v, b, n2, j0, cols, packs):
+def _pack_key_block(k, v, b, n2, j0, cols, work):
     """The key block's B operands of the backward's brgemm (:func:`_score_gemms`, :func:`_gradient_gemms`): K^T
     for S, V^T for dP and (bfloat16) K for dQ."""
-    _pack_transposed(k, b, n2, j0, cols, packs[0])
-    _pack_transposed(v, b, n2, j0, cols, packs[1])
+    _pack_transposed(k, b, n2, j0, cols, work.kt)
+    _pack_transposed(v, b, n2, j0, cols, work.vt)
     if _pairs(k):
-        _pack_rows(k, b, n2, j0, cols, packs[2])
+        _pack_rows(k, b, n2, j0, cols, work.k_pairs)
 
 
 @njit(inline="always")
-def _score_gemms(q, k, v, dy, b, n, n2, i0, rows, j0, cols, on_brgemm, packs, s, dp):
-    """s = Q K^T and dp = dY V^T of the tile (fp32, row stride BK)."""
-    BK = s.shape[1]
-    qp, dyp = row_address(q, b, n, i0), row_address(dy, b, n, i0)
+def _score_gemms(ops, tile, n2, on_brgemm, work):
+    """work.s = Q K^T and work.dp = dY V^T of the tile (fp32, row stride BK)."""
+    q, k, v, dy = ops.q, ops.k, ops.v, ops.dy
+    b, n, i0, rows, j0, cols = tile
+    qp, dyp = _matrix(q, b, n, i0), _matrix(dy, b, n, i0)
     if on_brgemm:
-        brgemm(q, rows, cols, q.shape[3], _ld(q), cols, BK, False, qp, packs[0].ctypes.data, s.ctypes.data)
-        brgemm(q, rows, cols, v.shape[3], _ld(dy), cols, BK, False, dyp, packs[1].ctypes.data, dp.ctypes.data)
+        brgemm(q, rows, cols, q.shape[3], qp, (work.kt.ctypes.data, cols), _scratch(work.s), False)
+        brgemm(q, rows, cols, v.shape[3], dyp, (work.vt.ctypes.data, cols), _scratch(work.dp), False)
     else:
-        gemm(q, NO_TRANS, TRANS, rows, cols, q.shape[3], 1.0, qp, _ld(q), row_address(k, b, n2, j0), _ld(k), 0.0,
-             s.ctypes.data, BK)
-        gemm(q, NO_TRANS, TRANS, rows, cols, v.shape[3], 1.0, dyp, _ld(dy), row_address(v, b, n2, j0), _ld(v), 0.0,
-             dp.ctypes.data, BK)
+        gemm(q, NO_TRANS, TRANS, rows, cols, q.shape[3], qp, _matrix(k, b, n2, j0), _scratch(work.s), False)
+        gemm(q, NO_TRANS, TRANS, rows, cols, v.shape[3], dyp, _matrix(v, b, n2, j0), _scratch(work.dp), False)
 
 
 @njit(inline="always")
-def _gradient_gemms(q, k, dy, qt, dyt, b, n, n2, i0, rows, j0, cols, on_brgemm, packs, pt, dst, dkt, dvt, dq_ptr):
-    """dV^T += dY^T Pd, dK^T += Q^T dS (fp32 ``[D, BK]`` accumulators) and dQ += dS K (fp32, row stride D).
+def _gradient_gemms(ops, tile, n2, on_brgemm, work, dq_ptr):
+    """dV^T += dY^T Pd, dK^T += Q^T dS (fp32 ``[D, BK]`` accumulators work.dvt / work.dkt) and dQ += dS K (fp32 at
+    dq_ptr, row stride D).
 
-    On the brgemm the A operands dY^T and Q^T come from the transposed copies ``dyt`` / ``qt`` ``[B, N1, D, Sq]``;
-    bfloat16 Pd, dS are packed (:func:`_tile_operand`) and K comes packed by :func:`_pack_key_block`."""
-    BK = pt.shape[1]
+    On the brgemm the A operands dY^T and Q^T come from the transposed copies ``ops.dyt`` / ``ops.qt``; bfloat16 Pd,
+    dS are packed (:func:`_tile_operand`) and K comes packed by :func:`_pack_key_block`."""
+    q, k, dy = ops.q, ops.k, ops.dy
+    b, n, i0, rows, j0, cols = tile
+    pt, dst, dkt, dvt = work.pt, work.dst, work.dkt, work.dvt
     D, Dv = q.shape[3], dy.shape[3]
+    dq = (dq_ptr, D)
     if on_brgemm:
-        pt_address, ldp = _tile_operand(pt, rows, cols, packs[3])
-        ds_address, lds = _tile_operand(dst, rows, cols, packs[4])
-        brgemm(q, Dv, cols, rows, _ld(dyt), ldp, BK, True, row_address(dyt, b, n, 0) + i0 * dyt.itemsize, pt_address,
-               dvt.ctypes.data)
-        brgemm(q, D, cols, rows, _ld(qt), lds, BK, True, row_address(qt, b, n, 0) + i0 * qt.itemsize, ds_address,
-               dkt.ctypes.data)
-        k_address, ldk = _rows_operand(k, b, n2, j0, packs[2].ctypes.data)
-        brgemm(q, rows, D, cols, BK, ldk, D, True, dst.ctypes.data, k_address, dq_ptr)
+        pd_operand = _tile_operand(pt, rows, cols, work.pt_pairs)
+        ds_operand = _tile_operand(dst, rows, cols, work.dst_pairs)
+        brgemm(q, Dv, cols, rows, _columns(ops.dyt, b, n, i0), pd_operand, _scratch(dvt), True)
+        brgemm(q, D, cols, rows, _columns(ops.qt, b, n, i0), ds_operand, _scratch(dkt), True)
+        brgemm(q, rows, D, cols, _scratch(dst), _rows_operand(k, b, n2, j0, work.k_pairs.ctypes.data), dq, True)
     else:
-        qp, dyp = row_address(q, b, n, i0), row_address(dy, b, n, i0)
-        gemm(q, TRANS, NO_TRANS, Dv, cols, rows, 1.0, dyp, _ld(dy), pt.ctypes.data, BK, 1.0, dvt.ctypes.data, BK)
-        gemm(q, TRANS, NO_TRANS, D, cols, rows, 1.0, qp, _ld(q), dst.ctypes.data, BK, 1.0, dkt.ctypes.data, BK)
-        gemm(q, NO_TRANS, NO_TRANS, rows, D, cols, 1.0, dst.ctypes.data, BK, row_address(k, b, n2, j0), _ld(k), 1.0,
-             dq_ptr, D)
+        gemm(q, TRANS, NO_TRANS, Dv, cols, rows, _matrix(dy, b, n, i0), _scratch(pt), _scratch(dvt), True)
+        gemm(q, TRANS, NO_TRANS, D, cols, rows, _matrix(q, b, n, i0), _scratch(dst), _scratch(dkt), True)
+        gemm(q, NO_TRANS, NO_TRANS, rows, D, cols, _scratch(dst), _matrix(k, b, n2, j0), dq, True)
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
-def _backward_key_block(q, k, v, dy, qt, dyt, packed, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, b, n2, j0,
-                        chunk, dq_acc, s, dp, pt, dst, dkt, dvt, packs, dpse):
-    """dK^T / dV^T of keys [j0, j0+BK) over the G query heads and all query blocks; dQ into dq_acc[chunk].
+def _backward_key_block(ops, plan, grads, work, b, n2, j0, chunk):
+    """dK^T / dV^T of keys [j0, j0+BK) of (b, n2) into work.dkt / work.dvt, over the G query heads and all query
+    blocks; dQ into grads.dq_acc[chunk], dpse into grads.dpse.
 
-    ``packed``: on torch's brgemm (:func:`_use_brgemm`; bfloat16: tiles with even rows and columns, VNNI pairs),
-    MKL for the others."""
+    ``ops.packed``: on torch's brgemm (:func:`_use_brgemm`; bfloat16: tiles with even rows and columns, VNNI
+    pairs), MKL for the others."""
+    q, k = ops.q, ops.k
     N1, Sq, D = q.shape[1], q.shape[2], q.shape[3]
     G = N1 // k.shape[1]
     Skv = k.shape[2]
-    BQ, BK = s.shape
+    BQ, BK = work.s.shape
+    dq_acc = grads.dq_acc
     cols = min(BK, Skv - j0)
-    dkt[:] = 0.0
-    dvt[:] = 0.0
-    packed = packed and (cols % 2 == 0 or not _pairs(q))
+    work.dkt[:] = 0.0
+    work.dvt[:] = 0.0
+    packed = ops.packed and (cols % 2 == 0 or not _pairs(q))
     if packed:
-        _pack_key_block(k, v, b, n2, j0, cols, packs)
+        _pack_key_block(k, ops.v, b, n2, j0, cols, work)
     for n in range(n2 * G, n2 * G + G):
         for i0 in range(0, Sq, BQ):
             rows = min(BQ, Sq - i0)
-            kind = _tile_kind(i0, rows, j0, cols, ip[_PRE], ip[_NXT], prefix[b])
-            if kind == _OUTSIDE and not _dead_row(smax, b, n, i0, rows):
+            kind = _tile_kind(i0, rows, j0, cols, plan.pre, plan.nxt, plan.prefix[b])
+            if kind == _OUTSIDE and not _dead_row(ops.smax, b, n, i0, rows):
                 continue  # P = exp(-FLT_MAX - max) = 0 on the whole tile
             on_brgemm = packed and (rows % 2 == 0 or not _pairs(q))
-            _score_gemms(q, k, v, dy, b, n, n2, i0, rows, j0, cols, on_brgemm, packs, s, dp)
-            general = ip[_HAS_MASK] != 0 or kind != _INSIDE
-            _backward_tile(s, dp, pt, dst, rows, cols, general, b, n, i0, j0, mask, pse, prefix, drop, ip, fp,
-                           smax, ssum, dr, dpse)
+            tile = Tile(b, n, i0, rows, j0, cols)
+            _score_gemms(ops, tile, n2, on_brgemm, work)
+            general = plan.has_mask or kind != _INSIDE
+            _backward_tile(work, tile, general, plan, ops, grads.dpse)
             dq_ptr = dq_acc.ctypes.data + (((chunk * dq_acc.shape[1] + b) * N1 + n) * Sq + i0) * D * 4
-            _gradient_gemms(q, k, dy, qt, dyt, b, n, n2, i0, rows, j0, cols, on_brgemm, packs, pt, dst, dkt, dvt,
-                            dq_ptr)
+            _gradient_gemms(ops, tile, n2, on_brgemm, work, dq_ptr)
+
+
+@njit(inline="always")
+def _backward_scratch(q, d, dv, packed, pack_like):
+    """A backward task's :class:`BackwardScratch`; the packed operands have ``pack_like``'s element type (uint32
+    VNNI pairs for bfloat16, else float32) and are 1-element placeholders where unused."""
+    per = pack_like.itemsize // q.itemsize  # input elements per packed element (2: VNNI pairs)
+    block = max(d, dv) * _BK // per if packed else 1
+    pairs = block if per == 2 else 1  # K rows and the Pd / dS tiles are packed for VNNI pairs only
+    tile = _BQ * _BK // per if packed and per == 2 else 1
+    like = pack_like.dtype
+    return BackwardScratch(aligned_empty((_BQ, _BK), np.float32), aligned_empty((_BQ, _BK), np.float32),
+                           aligned_empty((_BQ, _BK), q.dtype), aligned_empty((_BQ, _BK), q.dtype),
+                           aligned_empty((d, _BK), np.float32), aligned_empty((dv, _BK), np.float32),
+                           aligned_empty((block,), like), aligned_empty((block,), like),
+                           aligned_empty((pairs,), like), aligned_empty((tile,), like), aligned_empty((tile,), like))
 
 
 @njit(**_KERNEL)
-def _backward_kernel(q, k, v, dy, qt, dyt, packed, pack_like, smax, ssum, dr, mask, pse, prefix, drop, ip, fp, dq_acc,
-                     dk, dv, dpse, batch_tasks):
-    """Tasks (bt, n2, chunk), bt < batch_tasks; a task runs the batches ``bt, bt + batch_tasks, ...`` in order
-    for each of its key blocks (batch_tasks 1: a batch-broadcast dpse is summed over b in one task). ``pack_like``:
-    an array of the packed operands' element type (uint32 VNNI pairs for bfloat16, else float32)."""
-    B, N2, Skv, D = k.shape
-    Dv = v.shape[3]
-    chunks = dq_acc.shape[0]
+def _backward_kernel(ops, plan, grads, pack_like, batch_tasks):
+    """grads.dk / grads.dv (written in place) and grads.dq_acc / dpse (summed into). Tasks (bt, n2, chunk),
+    bt < batch_tasks; a task runs the batches ``bt, bt + batch_tasks, ...`` in order for each of its key blocks
+    (batch_tasks 1: a batch-broadcast dpse is summed over b in one task). ``pack_like``: an array of the packed
+    operands' element type."""
+    B, N2, Skv, D = ops.k.shape
+    Dv = ops.v.shape[3]
+    dk, dv = grads.dk, grads.dv
+    chunks = grads.dq_acc.shape[0]
     nkb = (Skv + _BK - 1) // _BK
-    scale = fp[0]
+    scale = plan.scale
     for task in prange(batch_tasks * N2 * chunks):
         bt = task // (N2 * chunks)
         n2 = (task // chunks) % N2
         chunk = task % chunks
-        s = aligned_empty((_BQ, _BK), np.float32)
-        dp = aligned_empty((_BQ, _BK), np.float32)
-        pt = aligned_empty((_BQ, _BK), q.dtype)
-        dst = aligned_empty((_BQ, _BK), q.dtype)
-        dkt = aligned_empty((D, _BK), np.float32)
-        dvt = aligned_empty((Dv, _BK), np.float32)
-        per = pack_like.itemsize // q.itemsize  # input elements per packed element (2: VNNI pairs)
-        block = max(D, Dv) * _BK // per if packed else 1
-        pairs = block if per == 2 else 1  # K rows and the Pd / dS tiles are packed for VNNI pairs only
-        tile = _BQ * _BK // per if packed and per == 2 else 1
-        packs = (aligned_empty((block,), pack_like.dtype), aligned_empty((block,), pack_like.dtype),
-                 aligned_empty((pairs,), pack_like.dtype), aligned_empty((tile,), pack_like.dtype),
-                 aligned_empty((tile,), pack_like.dtype))
+        work = _backward_scratch(ops.q, D, Dv, ops.packed, pack_like)
+        dkt, dvt = work.dkt, work.dvt
         for kb in range(chunk * nkb // chunks, (chunk + 1) * nkb // chunks):
             j0 = kb * _BK
             for b in range(bt, B, batch_tasks):
-                _backward_key_block(q, k, v, dy, qt, dyt, packed, smax, ssum, dr, mask, pse, prefix, drop, ip, fp,
-                                    b, n2, j0, chunk, dq_acc, s, dp, pt, dst, dkt, dvt, packs, dpse)
+                _backward_key_block(ops, plan, grads, work, b, n2, j0, chunk)
                 for r in range(min(_BK, Skv - j0)):
                     dkr, dvr = _row(dk, b, n2, j0 + r), _row(dv, b, n2, j0 + r)
                     for d in range(D):
                         dkr[d] = narrow(dkt[d, r] * scale, dk)
                     for d in range(Dv):
                         dvr[d] = narrow(dvt[d, r], dv)
-        if packed:
+        if ops.packed:
             brgemm_release()
 
 
@@ -690,8 +829,9 @@ def _pse_kind(plan: AttentionPlan) -> int:
     return _PSE_COMPRESSED if plan.pse_compressed else _PSE_DENSE
 
 
-def _plan_args(plan: AttentionPlan, q: torch.Tensor, skv: int, dpse: bool = False) -> tuple:
-    """(mask, pse, prefix, drop, ip, fp) as the kernels take them (placeholders for absent features)."""
+def _kernel_plan(plan: AttentionPlan, q: torch.Tensor, skv: int, dpse: bool = False) -> KernelPlan:
+    """The plan as the kernels take it (placeholders for absent arrays; Python ints and bools, float32 scalars,
+    so every plan compiles to the same argument type)."""
     b, n1, sq = q.shape[:3]
     mask = plan.atten_mask
     mask = np.zeros((1, 1, 1, 1), np.uint8) if mask is None else _view(mask)
@@ -704,12 +844,12 @@ def _plan_args(plan: AttentionPlan, q: torch.Tensor, skv: int, dpse: bool = Fals
     prefix = np.zeros(b, np.int64) if plan.prefix is None else np.asarray(plan.prefix, np.int64)
     drop = (plan.drop_mask.reshape(-1).contiguous().numpy() if plan.has_dropout
             else np.zeros(1, np.uint8))
-    ip = np.zeros(_N_INT, np.int64)
-    ip[[_PRE, _NXT, _HAS_MASK, _PSE_KIND, _PSE_FIRST, _SHIFT, _DROPOUT, _SQ, _DPSE, _N1, _SKV]] = [
-        plan.pre_tokens, plan.next_tokens, plan.atten_mask is not None, _pse_kind(plan), plan.pse_type == 1,
-        plan.kv_start_idx - plan.q_start_idx, plan.has_dropout, sq, dpse, n1, skv]
-    fp = np.array([plan.scale, 1.0 / np.float32(plan.keep_prob)], np.float32)
-    return mask, pse, prefix, drop, ip, fp
+    scale, inv_keep = np.array([plan.scale, 1.0 / np.float32(plan.keep_prob)], np.float32)
+    return KernelPlan(mask, pse, prefix, drop, pre=int(plan.pre_tokens), nxt=int(plan.next_tokens),
+                      has_mask=plan.atten_mask is not None, pse_kind=_pse_kind(plan),
+                      pse_first=bool(plan.pse_type == 1), shift=int(plan.kv_start_idx - plan.q_start_idx),
+                      dropout=bool(plan.has_dropout), dpse=bool(dpse), invalid_rows=bool(plan.invalid_rows),
+                      n1=int(n1), sq=int(sq), skv=int(skv), scale=scale, inv_keep=inv_keep)
 
 
 def _use_brgemm(q: torch.Tensor, d: int, dv: int) -> bool:
@@ -723,20 +863,20 @@ def _pack_like(q: torch.Tensor) -> np.ndarray:
     return np.empty(1, np.uint32 if q.dtype == torch.bfloat16 else np.float32)
 
 
-def _packed_kv(q: torch.Tensor, kv: np.ndarray, vv: np.ndarray) -> tuple:
-    """(kt, vt, packed): K and V packed for the forward's brgemm (:func:`_use_brgemm`; float32 needs K^T only, V is
+def _forward_operands(q: torch.Tensor, qv: np.ndarray, kv: np.ndarray, vv: np.ndarray) -> ForwardOperands:
+    """The forward's operands: K and V packed for the brgemm (:func:`_use_brgemm`; float32 needs K^T only, V is
     read in place), else placeholders."""
     b, n2, skv, d = kv.shape
     like = _pack_like(q)
     placeholder = np.zeros((1, 1, 1, 1), like.dtype)
     if not _use_brgemm(q, d, vv.shape[3]):
-        return placeholder, placeholder, False
+        return ForwardOperands(qv, kv, vv, placeholder, placeholder, False)
     nkb = -(-skv // _FWD_BK)
     per = like.itemsize // q.element_size()  # input elements per packed element (2: VNNI pairs)
     kt = np.empty((b, n2, nkb, _FWD_BK * d // per), like.dtype)
     vt = np.empty((b, n2, nkb, _FWD_BK * vv.shape[3] // per), like.dtype) if per == 2 else placeholder
     _pack_kv_kernel(kv, vv, kt, vt)
-    return kt, vt, True
+    return ForwardOperands(qv, kv, vv, kt, vt, True)
 
 
 def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=None, softmax_sum=None):
@@ -746,16 +886,16 @@ def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=
     e.g. views into TND tensors), written in place and returned; q, k, v are then read in place too (any
     strides with unit-stride rows), else from contiguous copies (:func:`_view`). Fully masked rows:
     max = -FLT_MAX and sum = Skv (uniform P over all keys), or with ``plan.invalid_rows`` out = 0,
-    max = -FLT_MAX, sum = +FLT_MAX (spec section 6).
+    max = -FLT_MAX, sum = +FLT_MAX (see docs/cann-semantics.md, 'Fully masked rows').
     """
     B, N1, Sq, _ = q.shape
     in_place = out is not None
     out = torch.empty(B, N1, Sq, v.shape[3], dtype=q.dtype) if out is None else _unit_rows(out)
     smax = torch.empty(B, N1, Sq, dtype=torch.float32) if softmax_max is None else softmax_max
     ssum = torch.empty(B, N1, Sq, dtype=torch.float32) if softmax_sum is None else softmax_sum
-    qv, kv, vv = (_view(t, in_place) for t in (q, k, v))
-    _dynamic(_forward_kernel, qv, kv, vv, *_packed_kv(q, kv, vv), *_plan_args(plan, q, k.shape[2]),
-             bool(plan.invalid_rows), kernel_view(out), smax.numpy(), ssum.numpy())
+    operands = _forward_operands(q, *(_view(t, in_place) for t in (q, k, v)))
+    _dynamic(_forward_kernel, operands, _kernel_plan(plan, q, k.shape[2]), kernel_view(out), smax.numpy(),
+             ssum.numpy())
     return out, smax, ssum
 
 
@@ -815,12 +955,12 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
                   for t, like in ((dq, q), (dk, k), (dv, v)))
     dpse_out, dpse = _dpse_target(plan, B, Sq) if want_dpse else (None, np.zeros((1, 1, 1, 1), np.float32))
     smax, ssum = (_view(t.detach().float(), in_place) for t in (softmax_max, softmax_sum))
-    args = _plan_args(plan, q, Skv, want_dpse)
+    kplan = _kernel_plan(plan, q, Skv, want_dpse)
     packed = _use_brgemm(q, D, v.shape[3])
-    qt, dyt = _transposed_operands(q, dy, packed)
-    _dynamic(_backward_kernel, qv, kv, vv, dyv, qt, dyt, packed, _pack_like(q), smax, ssum, dr, *args, dq_acc,
-             kernel_view(dk), kernel_view(dv), dpse, batch_tasks)
-    _finish_dq_kernel(dq_acc, args[-1][0], kernel_view(dq))
+    operands = BackwardOperands(qv, kv, vv, dyv, *_transposed_operands(q, dy, packed), smax, ssum, dr, packed)
+    grads = Gradients(dq_acc, kernel_view(dk), kernel_view(dv), dpse)
+    _dynamic(_backward_kernel, operands, kplan, grads, _pack_like(q), batch_tasks)
+    _finish_dq_kernel(dq_acc, kplan.scale, kernel_view(dq))
     if want_dpse and dpse_out is None:
         dpse_out = torch.from_numpy(dpse).to(plan.pse.dtype)
     return dq, dk, dv, dpse_out

@@ -12,19 +12,18 @@ package's file list (fallback: ``<sys.prefix>/lib``). MKL runs single-threaded (
 layer): the kernels call it from their own numba worker threads, one GEMM per worker, so MKL, numba and
 torch never oversubscribe the cores.
 
-Matrices are row-major and addressed by raw pointers (``int`` addresses, e.g. ``a.ctypes.data`` plus an
-offset in bytes) with leading dimensions in elements.
+Matrices are row-major, each passed as an ``(address, leading dimension)`` pair: a raw pointer (an ``int``, e.g.
+``a.ctypes.data`` plus an offset in bytes) and the row stride in elements; an ``accumulate`` flag chooses
+C = op(A) op(B) or C += op(A) op(B).
 
 ``brgemm`` is torch's own micro-kernel entry (``at::native::cpublas::brgemm``, the one of torch's CPU flash
 attention, exported by ``libtorch_cpu``; oneDNN's brgemm): A ``[m, k]`` times B ``[k, n]``, fp32 C; bfloat16 (AMX,
 else AVX512-BF16 ``vdpbf16ps``) with B pre-packed in the VNNI layout (``B[k, n]`` stored at ``[k // 2, n, k % 2]``,
-i.e. row pairs interleaved), float32 with B as it is. Measured: with B packed once and reused, the forward's
-256x512x128 / 256x128x512 bf16 tiles took 35-55% less time than on MKL with AMX (which repacks B on every call);
-on an AMD EPYC (AVX512-BF16, no AMX) a 256x256x128 product runs at 212 GFLOP/s per core in bf16 against MKL's 85
-(MKL does not use the BF16 instructions there) and at 109 GFLOP/s in fp32 against MKL's 86. Caveat (AMX):
-interleaving it with MKL's AMX GEMMs in one thread slows MKL's calls (~1.6x), so a kernel should use one or the
-other. ``BRGEMM_DTYPES`` says which dtypes it serves (float32 where torch exports it, bfloat16 on CPUs with
-AMX-BF16 or AVX512-BF16); callers fall back to ``gemm``.
+i.e. row pairs interleaved), float32 with B as it is. Packed once and reused, B costs nothing per call, where MKL
+repacks it on every call (and, on AMD EPYC, runs bf16 without the AVX512-BF16 instructions). Caveat (AMX):
+interleaving it with MKL's AMX GEMMs in one thread slows MKL's calls, so a kernel should use one or the other.
+``BRGEMM_DTYPES`` says which dtypes it serves (float32 where torch exports it, bfloat16 on CPUs with AMX-BF16 or
+AVX512-BF16); callers fall back to ``gemm``.
 """
 
 from __future__ import annotations
@@ -86,19 +85,21 @@ _ROUTINES = {types.uint16: types.ExternalFunction("cblas_gemm_bf16bf16f32", _SIG
              types.float32: types.ExternalFunction("cblas_sgemm", _SIGNATURE)}
 
 
-def gemm(a_like, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):  # pragma: no cover
-    """C[m,n] (fp32) = alpha * op(A) op(B) + beta * C; A and B have the element type of ``a_like``."""
+def gemm(a_like, trans_a, trans_b, m, n, k, a, b, c, accumulate):  # pragma: no cover
+    """C[m,n] (fp32) (+)= op(A) op(B) (``accumulate``: add to C, else overwrite it); a, b, c are ``(address,
+    leading dim)`` pairs, op(A) ``[m, k]`` and op(B) ``[k, n]``; A and B have the element type of ``a_like``."""
     raise NotImplementedError
 
 
 @overload(gemm, inline="always")
-def _gemm_impl(a_like, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
+def _gemm_impl(a_like, trans_a, trans_b, m, n, k, a, b, c, accumulate):
     routine = _ROUTINES.get(a_like.dtype)
     if routine is None:
         return None
 
-    def impl(a_like, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
-        routine(ROW_MAJOR, trans_a, trans_b, m, n, k, np.float32(alpha), a, lda, b, ldb, np.float32(beta), c, ldc)
+    def impl(a_like, trans_a, trans_b, m, n, k, a, b, c, accumulate):
+        beta = np.float32(accumulate)  # 1 or 0: a branch here would leave its phi outside numba's inlined scope
+        routine(ROW_MAJOR, trans_a, trans_b, m, n, k, np.float32(1.0), a[0], a[1], b[0], b[1], beta, c[0], c[1])
 
     return impl
 
@@ -107,8 +108,8 @@ def _gemm_impl(a_like, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c
 def _gemm_for_test(a, b, c, trans_b):  # used by the tests and as a smoke check of the binding
     m, k = a.shape
     n = c.shape[1]
-    gemm(a, NO_TRANS, TRANS if trans_b else NO_TRANS, m, n, k, 1.0, a.ctypes.data, k, b.ctypes.data,
-         b.shape[1], 0.0, c.ctypes.data, n)
+    gemm(a, NO_TRANS, TRANS if trans_b else NO_TRANS, m, n, k, (a.ctypes.data, k), (b.ctypes.data, b.shape[1]),
+         (c.ctypes.data, n), False)
 
 
 _BRGEMM_SYMBOL = "_ZN2at6native7cpublas6brgemmEllllllbPKN3c108BFloat16ES5_Pfb"
@@ -150,21 +151,22 @@ _BRGEMMS = {types.uint16: (types.ExternalFunction(_BRGEMM_SYMBOL, _BRGEMM_SIGNAT
 _release = types.ExternalFunction(_RELEASE_SYMBOL, types.void(types.boolean))
 
 
-def brgemm(a_like, m, n, k, lda, ldb, ldc, accumulate, a, b, c):  # pragma: no cover
-    """C[m,n] (fp32, leading dim ldc) (+)= A[m,k] (lda) B[k,n] (ldb = n's stride), A and B of ``a_like``'s element
-    type: bfloat16 (float16 likewise: it compiles in the kernels shared by all dtypes, but float16 is not in
-    ``BRGEMM_DTYPES``: it needs AMX-FP16) with B VNNI-packed (a pair as one uint32), or float32 with B as it is."""
+def brgemm(a_like, m, n, k, a, b, c, accumulate):  # pragma: no cover
+    """C[m,n] (fp32) (+)= A[m,k] B[k,n] (a, b, c: ``(address, leading dim)`` pairs; B's is n's stride), A and B of
+    ``a_like``'s element type: bfloat16 (float16 likewise: it compiles in the kernels shared by all dtypes, but
+    float16 is not in ``BRGEMM_DTYPES``: it needs AMX-FP16) with B VNNI-packed (a pair as one uint32), or float32
+    with B as it is."""
     raise NotImplementedError
 
 
 @overload(brgemm, inline="always")
-def _brgemm_impl(a_like, m, n, k, lda, ldb, ldc, accumulate, a, b, c):
+def _brgemm_impl(a_like, m, n, k, a, b, c, accumulate):
     routine, vnni = _BRGEMMS.get(a_like.dtype, (None, False))
     if routine is None:
         return None
 
-    def impl(a_like, m, n, k, lda, ldb, ldc, accumulate, a, b, c):
-        routine(m, n, k, lda, ldb, ldc, accumulate, a, b, c, vnni)
+    def impl(a_like, m, n, k, a, b, c, accumulate):
+        routine(m, n, k, a[1], b[1], c[1], accumulate, a[0], b[0], c[0], vnni)
 
     return impl
 
