@@ -111,7 +111,8 @@ def _eager_error(fn, *args) -> AclnnError:
 def test_bad_input_under_compile_raises_the_eager_error(case):
     torch._dynamo.reset()
     if case == "float mask":
-        fn, args = (lambda x, m: attngrad.scaled_masked_softmax(x, m, 0.5)), (_rand(1, 2, 4, 8), torch.zeros(1, 1, 4, 8))
+        fn = lambda x, m: attngrad.scaled_masked_softmax(x, m, 0.5)  # noqa: E731
+        args = (_rand(1, 2, 4, 8), torch.zeros(1, 1, 4, 8))
     else:
         fn, args = attngrad.exp_segsum_backward, (_rand(2, 4, 4), _rand(2, 4, 4))
     expected = _eager_error(fn, *args)
@@ -242,8 +243,9 @@ def _attention_cases():
         yield "BNSD gqa dv<d", dtype, q, k, v, dy, dict(head_num=4, input_layout="BNSD", scale_value=0.3)
         yield "BSH causal", dtype, *(t.transpose(1, 2).flatten(2) for t in (q, k[:, :, :16], v[:, :, :16], dy)), dict(
             head_num=4, input_layout="BSH", atten_mask=mask, sparse_mode=3)
-        yield "pse dense", dtype, q, k, v, dy, dict(head_num=4, input_layout="BNSD", pse=_rand(1, 4, 16, 24, dtype=dtype),
-                                                   pse_type=1, atten_mask=torch.rand(2, 1, 16, 24) > 0.8)
+        pse = _rand(1, 4, 16, 24, dtype=dtype)
+        yield "pse dense", dtype, q, k, v, dy, dict(head_num=4, input_layout="BNSD", pse=pse, pse_type=1,
+                                                   atten_mask=torch.rand(2, 1, 16, 24) > 0.8)
     q, k, v, dy = (_rand(1, 4, 32, 8) for _ in range(4))
     slopes = torch.rand(4)
     drop = torch.randint(0, 256, (4 * 32 * 32 // 8,), dtype=torch.uint8)

@@ -1,4 +1,4 @@
-"""Contract of ExpSegsum and ExpSegsumBackward (seed document 003, spec parts D and E).
+"""Contract of ExpSegsum and ExpSegsumBackward (see docs/cann-semantics.md, 'ExpSegsum').
 
 Forward:  x ``(..., T)`` (3-D or 4-D) -> out ``(..., T, T)``,
           ``out[i, j] = exp(x[j+1] + ... + x[i])`` for ``j <= i`` (diagonal exactly 1), exactly 0 above.
@@ -73,8 +73,8 @@ def check_backward(grad_output, grad_self, grad_input=None, *, cann_limits=False
     check_dtype(op, "gradOutput", grad_output, FLOAT_DTYPES)
     check_dtype(op, "gradSelf", grad_self, FLOAT_DTYPES)
     # CANN's aclnn layer does not compare gradSelf's dtype with gradOutput's (a mismatch fails later,
-    # without a kernel). The seed document says "shape and dtype the same as grad_output", and the seed
-    # wins (API.md section 4): a mismatch is 161002 here.
+    # without a kernel). CANN's documentation says "shape and dtype the same as grad_output", and attngrad
+    # follows the documentation: a mismatch is 161002 here (docs/cann-semantics.md, 'Deviations from CANN').
     check_same_dtype(op, "gradSelf", grad_self, "gradOutput", grad_output)
     if grad_input is not None:
         check_same_dtype(op, "gradInput", grad_input, "gradOutput", grad_output)

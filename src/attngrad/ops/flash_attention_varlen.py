@@ -38,8 +38,8 @@ import torch
 from ..errors import ACLNN_ERR_PARAM_NULLPTR, AclnnError
 from ..kernels.flash_attention_plan import ALIBI_ROWS, AttentionPlan
 from ..kernels.tensor_view import new_output
-from ..validation import (MASK_DTYPES, check_choice, check_dtype, check_float, check_int, check_int_list, check_int_tensor,
-                          check_range, check_rank, invalid, require_tensor)
+from ..validation import (MASK_DTYPES, check_choice, check_dtype, check_float, check_int, check_int_list,
+                          check_int_tensor, check_range, check_rank, invalid, require_tensor)
 from .flash_attention_core import (COMPRESSED_MASK, STATS_COPIES, AttentionAttrs, AttentionTensors, Geometry,
                                    Problem, backward_kernel, forward_kernel, geometry, has_float_pse, resolve_plan,
                                    stats8)

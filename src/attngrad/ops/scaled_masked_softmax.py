@@ -1,4 +1,4 @@
-"""Contract of ScaledMaskedSoftmax and ScaledMaskedSoftmaxBackward (seed documents 000-002).
+"""Contract of ScaledMaskedSoftmax and ScaledMaskedSoftmaxBackward (see docs/cann-semantics.md, 'ScaledMaskedSoftmax').
 
 Forward:  ``y = softmax(where(mask, -10000, x * scale))`` over the last axis (fp16: scaled in fp16).
 Backward: ``out = where(mask, 0, (dy - sum(dy * y)) * y * scale)``, the sum over the whole row.
@@ -71,7 +71,7 @@ def _resolve_mask(op: str, mask, data_name: str, data: torch.Tensor, fix_triu_ma
 def check_forward(x, mask, scale=1.0, fix_triu_mask=False, y=None, *, cann_limits=False):
     """Validate in CANN's order; returns ``(x, mask, scale)`` ready for the kernel.
 
-    A null x or mask is 161001 (seed documents; CANN's code says 561103). ``y`` is the aclnn output.
+    A null x or mask is 161001, as CANN's documentation says (its code returns 561103). ``y``: the aclnn output.
     """
     op = FORWARD
     x = require_tensor(op, "x", x)
@@ -91,7 +91,7 @@ def check_forward(x, mask, scale=1.0, fix_triu_mask=False, y=None, *, cann_limit
 
 
 def check_backward(grad_output, y, mask, scale=1.0, fix_triu_mask=False, out=None, *, cann_limits=False):
-    """Validate in CANN's order (seed 001 wins: gradOutput, y and out dtypes must match -> 161002)."""
+    """Validate in CANN's order; gradOutput, y and out dtypes must match (161002), as CANN's documentation says."""
     op = BACKWARD
     grad_output = require_tensor(op, "gradOutput", grad_output)
     y = require_tensor(op, "y", y)
@@ -108,8 +108,8 @@ def check_backward(grad_output, y, mask, scale=1.0, fix_triu_mask=False, out=Non
     if out is not None:
         check_shape(op, "out", out, grad_output.shape, "must equal gradOutput's shape")
         check_output_view(op, "out", out)
-    # seed 002: the backward's last dim is in [0, 4096]; S2 = 0 is an empty tensor -> success
-    # (CANN's tiling would reject it with an inner error; the seed wins).
+    # the backward's last dim is documented as [0, 4096]: S2 = 0 is an empty tensor -> success (CANN's tiling
+    # would reject it with an inner error; attngrad follows the documentation, see docs/cann-semantics.md).
     scale = _check_attrs(op, grad_output, scale, fix_triu_mask, cann_limits, min_last_dim=0)
     mask = _resolve_mask(op, mask, "gradOutput", grad_output, fix_triu_mask)
     return grad_output, y, mask, scale
