@@ -1,4 +1,4 @@
-"""Command line: ``attngrad examples | verify | bench``."""
+"""Command line: ``attngrad examples | verify | bench | train``."""
 
 from __future__ import annotations
 
@@ -115,13 +115,17 @@ def main(argv: list[str] | None = None) -> int:
     ve.add_argument("--op", action="append", help="operator name (repeatable; default: all)")
     be = sub.add_parser("bench", help="benchmark against the PyTorch peers (needs the cli and plot extras)")
     from .bench import add_arguments
+    from .train.cli import add_parser as add_train_parser, main as run_train
 
     add_arguments(be)
+    add_train_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "examples":
         return run_examples(args.names)
     if args.command == "verify":
         return run_verify(args.op)
+    if args.command == "train":
+        return run_train(args)
     from .bench import run_bench
 
     return run_bench(args)
