@@ -73,7 +73,7 @@ def test_batches_are_deterministic_and_packed():
     assert not torch.equal(a.tokens, make_batch(3, HELD_OUT, 7, 2, 96).tokens)
     assert all(sum(row) == 96 for row in a.lengths) and a.cumulative_lengths[-1] == 192
     starts = a.document_starts.reshape(-1).nonzero().squeeze(1).tolist()
-    assert starts == [0, *a.cumulative_lengths[:-1]]
+    assert starts == [0, *a.cumulative_lengths[:-1].tolist()]
     assert (a.targets[a.task >= 0] != IGNORE).all() and (a.targets[a.task < 0] == IGNORE).all()
 
 

@@ -65,7 +65,9 @@ class Batch:
 
     tokens / targets / positions ``[rows, seq]`` int64 (positions count from 0 in each document); task
     ``[rows, seq]`` int64: the TASKS index of each position's target (-1 where the target is IGNORE);
-    lengths: the document lengths of each row, in order (they sum to ``seq``).
+    lengths: the document lengths of each row, in order (they sum to ``seq``); cumulative_lengths: int64 end
+    offsets of every document in the flattened ``[rows * seq]`` order (TND's actual_seq_qlen);
+    document_starts: bool ``[rows, seq]``, True at the first token of each document.
     """
 
     tokens: torch.Tensor
@@ -78,18 +80,13 @@ class Batch:
     def shape(self) -> tuple[int, int]:
         return tuple(self.tokens.shape)
 
-    @cached_property
-    def cumulative_lengths(self) -> list[int]:
-        """End offsets of every document in the flattened ``[rows * seq]`` token order (TND's actual_seq_qlen)."""
-        return np.cumsum([n for row in self.lengths for n in row]).tolist()
-
-    @cached_property
-    def document_starts(self) -> torch.Tensor:
-        """bool ``[rows, seq]``: True at the first token of each document."""
-        starts = torch.zeros(self.shape, dtype=torch.bool)
+    def __post_init__(self):
+        # the tensors a model reads are made here, outside any compiled region: a compiled model then takes
+        # them as graph inputs and new documents do not recompile it
+        self.cumulative_lengths = torch.from_numpy(np.cumsum([n for row in self.lengths for n in row]))
+        self.document_starts = torch.zeros(self.shape, dtype=torch.bool)
         for r, row in enumerate(self.lengths):
-            starts[r, np.cumsum([0, *row[:-1]])] = True
-        return starts
+            self.document_starts[r, np.cumsum([0, *row[:-1]])] = True
 
     @cached_property
     def causal_mask(self) -> torch.Tensor:
