@@ -164,19 +164,21 @@ def _round_row(bufs, k, inv, out, y, all_normal):
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _pipelined_row(x, mask, row_nxt, scale, round_scaled, bufs, cur, nxt, prv, top, inv, out, y, all_normal):
+def _pipelined_row(x, mask, row_nxt, scale, round_scaled, bufs, stages, top, inv, out, y, all_normal):
     """:func:`_pipelined_loop` rounding by ``narrow_ftz`` when ``all_normal`` (:func:`.numeric.narrow_ftz_exact`),
     else by ``narrow``: the loop is compiled once per rounding."""
     if all_normal:
-        return _pipelined_loop(narrow_ftz, x, mask, row_nxt, scale, round_scaled, bufs, cur, nxt, prv, top, inv, out, y)
-    return _pipelined_loop(narrow, x, mask, row_nxt, scale, round_scaled, bufs, cur, nxt, prv, top, inv, out, y)
+        return _pipelined_loop(narrow_ftz, x, mask, row_nxt, scale, round_scaled, bufs, stages, top, inv, out, y)
+    return _pipelined_loop(narrow, x, mask, row_nxt, scale, round_scaled, bufs, stages, top, inv, out, y)
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _pipelined_loop(rounding, x, mask, row_nxt, scale, round_scaled, bufs, cur, nxt, prv, top, inv, out, y):
-    """The three pipeline stages in one loop: out = bufs[prv] * inv rounded by ``rounding``, bufs[nxt] = logits
-    of row_nxt, bufs[cur] = exp(bufs[cur] - top). Returns the sum and :func:`.numeric.track_flushable` of the exps
-    and the max of the logits. (The index is unsigned, so numba emits no negative-index wraparound in the loop.)"""
+def _pipelined_loop(rounding, x, mask, row_nxt, scale, round_scaled, bufs, stages, top, inv, out, y):
+    """The three pipeline stages in one loop, ``stages = (cur, nxt, prv)`` rows of ``bufs``: out = bufs[prv] * inv
+    rounded by ``rounding``, bufs[nxt] = logits of row_nxt, bufs[cur] = exp(bufs[cur] - top). Returns the sum and
+    :func:`.numeric.track_flushable` of the exps and the max of the logits. (The index is unsigned, so numba emits
+    no negative-index wraparound in the loop.)"""
+    cur, nxt, prv = stages
     total = np.float32(0.0)
     tiny = NO_POSITIVE
     top_next = np.float32(-np.inf)
@@ -218,8 +220,8 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, stre
             # core's miss buffers while this loop's own loads wait
             split = S2 // 2 if x.itemsize == 4 else S2
             _prefetch_columns(x, mask, row_after, r + 2 < last, 0, split)
-            total, top_next, tiny = _pipelined_row(x, mask, row_nxt, scale, round_scaled, bufs, cur, nxt, prv, top,
-                                                   inv, out, y, all_normal)
+            total, top_next, tiny = _pipelined_row(x, mask, row_nxt, scale, round_scaled, bufs, (cur, nxt, prv),
+                                                   top, inv, out, y, all_normal)
             if split < S2:
                 _prefetch_columns(x, mask, row_after, r + 2 < last, split, S2)
         else:  # first and last row of the block: the three stages one after the other
