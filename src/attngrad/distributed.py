@@ -218,10 +218,12 @@ def _check_cann_kwargs(kwargs: dict) -> None:
                       "over [Sq, Skv] cannot be sharded along the ring", kwargs.get("pse_type", 1))
 
 
-def make_config(ring: Ring, query, key, value, head_num, input_layout, causal, scale_value, keep_prob, seed,
-                offset, zigzag, kwargs) -> Config:
+def make_config(ring: Ring, qkv: tuple, head_num, input_layout, causal, scale_value, keep_prob, seed, offset, zigzag,
+                kwargs) -> Config:
     """Ring-specific checks (the operator's own checks run in the first block call, identically on every
-    rank since the metadata agree): layout, one sequence length for q/k/v, shard divisibility, attributes."""
+    rank since the metadata agree): layout, one sequence length for ``qkv`` = (query, key, value), shard
+    divisibility, attributes."""
+    query, key, value = qkv
     check_choice(OP, "input_layout", input_layout, tuple(SEQ_DIM))
     _check_cann_kwargs(kwargs)
     for name, t in (("query", query), ("key", key), ("value", value)):
@@ -474,7 +476,7 @@ def ring_flash_attention(query, key, value, head_num, input_layout, *, group=Non
                                        input_layout=input_layout, causal=causal, scale_value=scale_value,
                                        keep_prob=keep_prob, seed=seed, offset=offset, zigzag=zigzag,
                                        **cann_kwargs))
-    cfg = make_config(ring, query, key, value, head_num, input_layout, causal, scale_value, keep_prob, seed,
+    cfg = make_config(ring, (query, key, value), head_num, input_layout, causal, scale_value, keep_prob, seed,
                       offset, zigzag, cann_kwargs)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         out, m, s = _RingAttention.apply(query, key, value, cfg, ring)
