@@ -107,14 +107,20 @@ def _eager_error(fn, *args) -> AclnnError:
     return info.value
 
 
-@pytest.mark.parametrize("case", ["float mask", "3-D segsum"])
+def _attention_with_mask(q, k, v, mask):
+    return attngrad.flash_attention_score(q, k, v, 2, "BNSD", atten_mask=mask)[0]
+
+
+@pytest.mark.parametrize("case", ["float mask", "3-D segsum", "attention mask shape"])
 def test_bad_input_under_compile_raises_the_eager_error(case):
     torch._dynamo.reset()
     if case == "float mask":
         fn = lambda x, m: attngrad.scaled_masked_softmax(x, m, 0.5)  # noqa: E731
         args = (_rand(1, 2, 4, 8), torch.zeros(1, 1, 4, 8))
-    else:
+    elif case == "3-D segsum":
         fn, args = attngrad.exp_segsum_backward, (_rand(2, 4, 4), _rand(2, 4, 4))
+    else:
+        fn, args = _attention_with_mask, (*(_rand(1, 2, 8, 4) for _ in range(3)), torch.zeros(8, 9, dtype=torch.bool))
     expected = _eager_error(fn, *args)
     with pytest.raises(Exception) as info:
         torch.compile(fn, fullgraph=True, backend="eager")(*args)
