@@ -29,10 +29,10 @@ def _attention_overhead() -> list[BenchCase]:
     saved = dict(kw, softmax_max=smax, softmax_sum=ssum, attention_in=out)
     label = "B1 N1 S128 D64 BNSD (call overhead)"
     return [
-        BenchCase(op="FlashAttentionScore", dtype=torch.bfloat16, label=label, impls={
+        BenchCase(op="FlashAttentionScore", dtype=torch.bfloat16, label=label, roofline="none", impls={
             "attngrad (custom op)": lambda: attngrad.flash_attention_score(q, k, v, 1, "BNSD", **kw),
             _DIRECT: lambda: run_forward(check_forward(q, k, v, *split_kwargs(1, "BNSD", **kw)))}),
-        BenchCase(op="FlashAttentionScoreGrad", dtype=torch.bfloat16, label=label, impls={
+        BenchCase(op="FlashAttentionScoreGrad", dtype=torch.bfloat16, label=label, roofline="none", impls={
             "attngrad (custom op)": lambda: attngrad.flash_attention_score_grad(q, k, v, dy, 1, "BNSD", **saved),
             _DIRECT: lambda: run_backward(check_backward(q, k, v, dy, *split_kwargs(1, "BNSD", **saved)), False)}),
     ]
@@ -41,7 +41,8 @@ def _attention_overhead() -> list[BenchCase]:
 def _softmax_overhead() -> BenchCase:
     x = torch.randn(1, 1, 128, 128)
     mask = torch.ones(128, 128, dtype=torch.bool).triu(1).view(1, 1, 128, 128)
-    return BenchCase(op="ScaledMaskedSoftmax", dtype=torch.float32, label="[1, 1, 128, 128] (call overhead)", impls={
+    return BenchCase(op="ScaledMaskedSoftmax", dtype=torch.float32, label="[1, 1, 128, 128] (call overhead)",
+                     roofline="none", impls={
         "attngrad (custom op)": lambda: attngrad.scaled_masked_softmax(x, mask, 0.125),
         _DIRECT: lambda: softmax_contract.forward_kernel(*softmax_contract.check_forward(x, mask, 0.125))})
 
@@ -85,6 +86,7 @@ def _block_step_case(seq: int) -> BenchCase:
         return run
 
     return BenchCase(op="AttentionBlock step", dtype=torch.bfloat16, label=f"B1 S{seq} N8/2 D64 causal+RoPE",
+                     roofline="none",
                      impls={"attngrad torch.compile(fullgraph)": step(compiled), "attngrad eager": step(block)},
                      notes="forward + backward of one block; compiled first in the warm-up call")
 

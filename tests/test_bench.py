@@ -81,7 +81,7 @@ def test_quick_selection_by_operator(argv, expected):
     ops = {c.op for c in cases}
     assert ops >= expected if not argv else ops == expected
     assert all(next(iter(c.impls)).startswith("attngrad") for c in cases)
-    assert all(c.bytes_moved or c.flops for c in cases)
+    assert all(c.bytes_moved or c.flops or c.roofline == "none" for c in cases)
 
 
 def test_selection_by_dtype_and_size():

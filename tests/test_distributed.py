@@ -23,7 +23,7 @@ import attngrad
 from attngrad.distributed import (RingCommunicationError, ring_flash_attention, ringattn_context_parallel,
                                   zigzag_shard, zigzag_unshard)
 from attngrad.kernels.dropout import generate_drop_mask
-from attngrad.ops.flash_attention import SEQ_DIM, from_bnsd
+from attngrad.ops.flash_attention_core import SEQ_DIM, from_bnsd
 
 B, N1, N2, D, DV = 2, 4, 2, 16, 8
 HARNESS_LIMIT_S = 240          # a run whose ranks are not all done by then has hung

@@ -50,7 +50,7 @@ class BenchCase:
     impls: dict[str, Callable[[], object]]
     bytes_moved: int | None = None  # memory-bound cases: bytes read + written
     flops: float | None = None  # compute-bound cases: effective FLOPs
-    roofline: str = "copy"  # "copy", "gemm_fp32" or "gemm_bf16"
+    roofline: str = "copy"  # "copy", "gemm_fp32", "gemm_bf16", or "none" (latency cases: a ratio only)
     notes: str = ""
 
 
