@@ -26,11 +26,11 @@ import math
 
 import torch
 
+from .kernels.flash_attention_plan import UNBOUNDED_TOKENS
 from .npu import npu_fusion_attention_v2
 from .validation import (check_dim_equal, check_float, check_int, check_int_list, check_int_tensor, check_range,
                          check_rank, invalid, require_tensor)
 
-UNBOUNDED = 2147483647                     # pre/next tokens without a bound (the operators' default)
 COMPRESSED_MASK_SIZE = 2048                # sparse modes 3/4 take the [2048, 2048] strict upper triangle
 EMPTY_ROW_MAX = torch.finfo(torch.float32).min   # softmax_max of a row with no visible key (invalid-row mode)
 
@@ -43,7 +43,7 @@ _CAUSAL_MASK = torch.ones(COMPRESSED_MASK_SIZE, COMPRESSED_MASK_SIZE, dtype=torc
 class _Attention:
     """The checked flash-attn arguments of one call.
 
-    ``window``: bottom-right ``(pre, next)`` tokens with ``UNBOUNDED`` for -1, or None for full attention
+    ``window``: bottom-right ``(pre, next)`` tokens with ``UNBOUNDED_TOKENS`` for -1, or None for full attention
     (flash-attn's normalisation: a side >= the key length (varlen: max_seqlen_k) is unbounded).
     """
 
@@ -67,7 +67,7 @@ class _Attention:
         kwargs = {}
         if pre is not None:
             kwargs.update(atten_mask=_CAUSAL_MASK, pre_tokens=pre, next_tokens=nxt,
-                          sparse_mode=3 if (pre, nxt) == (UNBOUNDED, 0) else 4)
+                          sparse_mode=3 if (pre, nxt) == (UNBOUNDED_TOKENS, 0) else 4)
         if self.slopes is not None:
             kwargs.update(pse=self.slopes, pse_type=2, q_start_idx=[q_start], kv_start_idx=[0])
         out, softmax_max, softmax_sum, *_ = npu_fusion_attention_v2(
@@ -84,10 +84,10 @@ def _window(op: str, window_size, causal: bool, seqlen_k: int):
     for value in window_size:
         value = check_int(op, "window_size", value)
         check_range(op, "window_size", value, -1)
-        sides.append(UNBOUNDED if value < 0 or value >= seqlen_k else value)
+        sides.append(UNBOUNDED_TOKENS if value < 0 or value >= seqlen_k else value)
     if causal:
         sides[1] = 0
-    return None if sides == [UNBOUNDED, UNBOUNDED] else tuple(sides)
+    return None if sides == [UNBOUNDED_TOKENS, UNBOUNDED_TOKENS] else tuple(sides)
 
 
 def _dropout_span(heads: int, sq: int, skv: int) -> int:
@@ -125,7 +125,7 @@ def _alibi_square_blocks(att: _Attention, q, k, v, offset):
     pieces = []
     for index, end in enumerate(range(sq, 0, -skv)):
         start, shift = max(end - skv, 0), end - sq
-        band = att.window and tuple(UNBOUNDED if side == UNBOUNDED else side + sign * shift
+        band = att.window and tuple(UNBOUNDED_TOKENS if side == UNBOUNDED_TOKENS else side + sign * shift
                                     for side, sign in zip(att.window, (-1, 1)))
         if band and band[1] < 1 - skv:
             pieces.append(_rows_without_keys(q, v, end - start))
