@@ -160,3 +160,13 @@ def check_int_tensor(op: str, name: str, values: torch.Tensor) -> torch.Tensor:
         raise invalid(op, name, "must be a 1-D integer list (or CPU integer tensor)",
                       f"{values.dim()}-D {values.dtype} on {values.device}")
     return values
+
+
+def is_int64(value) -> bool:
+    """A Python int (not a bool) within CANN's int64_t range."""
+    return isinstance(value, int) and not isinstance(value, bool) and -2**63 <= value < 2**63
+
+
+def is_real(value) -> bool:
+    """An int64 integer or a Python float: a value a ``float`` op argument takes as it is."""
+    return is_int64(value) or isinstance(value, float)

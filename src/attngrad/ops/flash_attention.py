@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.flash_attention_plan import UNBOUNDED_TOKENS, AttentionPlan
-from ..validation import check_dim_equal, invalid
+from ..validation import check_dim_equal, invalid, is_int64, is_real
 from . import flash_attention_varlen as varlen
 from .flash_attention_checks import (NO_OUTPUTS, absent, check_cann_sizes, check_dy_and_attention_in,
                                      check_forward_outputs, check_grad_outputs, check_head_num, check_input_layout,
@@ -144,7 +144,7 @@ def run_backward(p: Problem, with_dpse: bool = False) -> tuple:
 _ATTRIBUTES = ("int head_num, str input_layout, float scale_value, float keep_prob, int pre_tokens, int next_tokens, "
                "int inner_precise, int sparse_mode, int pse_type, str softmax_layout, int[]? prefix, "
                "int[]? q_start_idx, int[]? kv_start_idx")
-_ATTRIBUTE_NAMES = tuple(item.split()[-1] for item in _ATTRIBUTES.split(", "))
+_ATTRIBUTE_KINDS, _ATTRIBUTE_NAMES = zip(*(item.split() for item in _ATTRIBUTES.split(", ")))
 _SEQ_LENGTHS = ("actual_seq_qlen", "actual_seq_kvlen")
 
 
@@ -251,29 +251,26 @@ def _op_arguments(attrs: AttentionAttrs, tensors: AttentionTensors, required: tu
             and all(t is None or isinstance(t, torch.Tensor) for t in tensors)):
         check()
         tensors = AttentionTensors(*(t if isinstance(t, torch.Tensor) else None for t in tensors))
-    kinds = (int, str, float, float, int, int, int, int, int, str, tuple, tuple, tuple)
-    scalars = tuple(("" if v is None else v) if kind is str else (v if v is None else kind(v))
-                    for kind, v in zip(kinds, scalars))
+    scalars = tuple(_COERCE[kind](v) for kind, v in zip(_ATTRIBUTE_KINDS, scalars))
     if attrs.input_layout != "TND":  # only TND reads the sequence lengths
         return scalars, (None, None), tensors
     return scalars, tuple(v if v is None or isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.int64)
                           for v in seq), tensors
 
 
+def _int_array(v) -> bool:
+    return v is None or (isinstance(v, (list, tuple)) and all(is_int64(x) for x in v))
+
+
+_FITS = {"int": is_int64, "float": is_real, "str": lambda v: isinstance(v, str), "int[]?": _int_array}
+_COERCE = {"int": int, "float": float, "str": lambda v: "" if v is None else v,
+           "int[]?": lambda v: v if v is None else tuple(v)}
+
+
 def _schema_ready(scalars: tuple, seq: tuple) -> bool:
-    """True when every attribute already has the schema's type (ints not bools, reals, strings, int tuples)."""
-    def integer(v):
-        return isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63
-
-    def array(v):
-        return v is None or (isinstance(v, tuple) and all(integer(x) for x in v))
-
-    ints = (scalars[0], *scalars[4:9])
-    reals = scalars[2:4]
-    return (all(integer(v) for v in ints) and all(integer(v) or isinstance(v, float) for v in reals)
-            and isinstance(scalars[1], str) and isinstance(scalars[9], str) and all(array(v) for v in scalars[10:])
-            and all(v is None or isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and array(tuple(v)))
-                    for v in seq))
+    """True when every attribute already has its schema type and the sequence lengths are tensors or int lists."""
+    return (all(_FITS[kind](v) for kind, v in zip(_ATTRIBUTE_KINDS, scalars))
+            and all(isinstance(v, torch.Tensor) or _int_array(v) for v in seq))
 
 
 def score_op_args(query, key, value, attrs: AttentionAttrs, tensors: AttentionTensors = AttentionTensors()) -> tuple:

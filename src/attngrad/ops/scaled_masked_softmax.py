@@ -21,7 +21,7 @@ from ..kernels import scaled_masked_softmax as kernels
 from ..kernels.numeric import streams
 from ..kernels.tensor_view import kernel_view, new_output, unit_stride_rows
 from ..validation import (FLOAT_DTYPES, check_dim_broadcast, check_dim_equal, check_dtype, check_float,
-                          check_output_view, check_range, check_rank, check_same_dtype, check_shape, invalid,
+                          check_output_view, check_range, check_rank, check_same_dtype, check_shape, invalid, is_real,
                           require_tensor)
 
 FORWARD = "ScaledMaskedSoftmax"
@@ -183,13 +183,20 @@ _forward_op.register_autograd(_differentiate_forward, setup_context=_save_forwar
 
 
 # -------------------------------------------------------------------------------------------- torch layer
+def _schema_ready(tensors: tuple, mask, scale, fix_triu_mask) -> bool:
+    """True when the arguments have the ops' schema types; otherwise the contract's check reports the bad one
+    in CANN's order (a valid call is validated once, by the op)."""
+    return (all(isinstance(t, torch.Tensor) for t in tensors) and (mask is None or isinstance(mask, torch.Tensor))
+            and is_real(scale) and isinstance(fix_triu_mask, bool))
+
+
 def scaled_masked_softmax(x, mask, scale=1.0, fix_triu_mask=False):
     """CANN ScaledMaskedSoftmax. x ``[B,N,S1,S2]`` float, mask bool ``[B|1,N|1,S1,S2]`` -> y like x.
 
     Differentiable w.r.t. x (the backward is :func:`scaled_masked_softmax_backward`'s kernel); runs as the custom
     op ``torch.ops.attngrad.scaled_masked_softmax``, so it compiles and exports.
     """
-    if not torch.compiler.is_compiling():  # a bad argument gets the contract's error, not the schema's
+    if not _schema_ready((x,), mask, scale, fix_triu_mask):  # the contract's error, not the schema's
         check_forward(x, mask, scale, fix_triu_mask)
     return _forward_op(x, mask, float(scale), fix_triu_mask)
 
@@ -197,6 +204,6 @@ def scaled_masked_softmax(x, mask, scale=1.0, fix_triu_mask=False):
 def scaled_masked_softmax_backward(grad_output, y, mask, scale=1.0, fix_triu_mask=False):
     """CANN ScaledMaskedSoftmaxBackward: gradient of x given dy (``grad_output``) and the forward y
     (custom op ``torch.ops.attngrad.scaled_masked_softmax_backward``)."""
-    if not torch.compiler.is_compiling():
+    if not _schema_ready((grad_output, y), mask, scale, fix_triu_mask):
         check_backward(grad_output, y, mask, scale, fix_triu_mask)
     return _backward_op(grad_output, y, mask, float(scale), fix_triu_mask)
