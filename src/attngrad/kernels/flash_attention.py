@@ -60,7 +60,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from numba import njit, prange, set_parallel_chunksize
+from numba import njit, prange, set_parallel_chunksize, types
+from numba.extending import overload
 
 from .flash_attention_plan import MASKED_LOGIT, AttentionPlan
 from .gemm import BRGEMM_DTYPES, NO_TRANS, TRANS, brgemm, brgemm_release, gemm
@@ -103,6 +104,7 @@ class KernelPlan(NamedTuple):
     skv: int
     scale: np.float32
     inv_keep: np.float32  # 1 / keep_prob
+    probs_like: np.ndarray  # 1 element of the type P and dS are rounded to before their GEMMs (:func:`_operand`)
 
 
 class Tile(NamedTuple):
@@ -176,6 +178,20 @@ class BackwardScratch(NamedTuple):
     k_pairs: np.ndarray
     pt_pairs: np.ndarray  # bfloat16 Pd and dS as VNNI pairs (:func:`_pack_tile`)
     dst_pairs: np.ndarray
+
+
+def _operand(v, like, tile):  # pragma: no cover - compiled through the overload below
+    """float32 P or dS -> an element of the GEMM operand ``tile``, rounded (``narrow_ftz``) through the element type
+    of ``like`` first: ``like`` float32 or of tile's type rounds once to tile's type (float32: no rounding); a
+    float32 tile with a bfloat16 / float16 ``like`` holds the rounded value widened back (exact)."""
+    raise NotImplementedError
+
+
+@overload(_operand, inline="always")
+def _operand_impl(v, like, tile):
+    if like.dtype == tile.dtype or like.dtype == types.float32:
+        return lambda v, like, tile: narrow_ftz(v, tile)
+    return lambda v, like, tile: narrow_ftz(widen(narrow_ftz(v, like)), tile)
 
 
 @njit(inline="always")
@@ -394,12 +410,12 @@ def _forward_tile(work, tile, general, plan):
             _row_keep_factors(plan, tile, r, f)
             for c in range(cols):
                 e = exp2_32((s[r, c] * scale - new) * LOG2E)
-                p[r, c] = narrow_ftz(e * f[c], p)
+                p[r, c] = _operand(e * f[c], plan.probs_like, p)
                 total += e
         else:
             for c in range(cols):
                 e = exp2_32((s[r, c] * scale - new) * LOG2E)
-                p[r, c] = narrow_ftz(e, p)
+                p[r, c] = _operand(e, plan.probs_like, p)
                 total += e
         l[r] = l[r] * alpha + total
         m[r] = new
@@ -615,15 +631,15 @@ def _backward_tile(work, tile, general, plan, ops, dpse):
             _row_keep_factors(plan, tile, r, f)
             for c in range(cols):
                 pr = exp2_32((s[r, c] * scale - mr) * LOG2E) * inv_l
-                pt[r, c] = narrow_ftz(pr * f[c], pt)
+                pt[r, c] = _operand(pr * f[c], plan.probs_like, pt)
                 s[r, c] = pr * (dp[r, c] * f[c] - dri)
-                dst[r, c] = narrow_ftz(s[r, c], dst)
+                dst[r, c] = _operand(s[r, c], plan.probs_like, dst)
         else:
             for c in range(cols):
                 pr = exp2_32((s[r, c] * scale - mr) * LOG2E) * inv_l
-                pt[r, c] = narrow_ftz(pr, pt)
+                pt[r, c] = _operand(pr, plan.probs_like, pt)
                 s[r, c] = pr * (dp[r, c] - dri)
-                dst[r, c] = narrow_ftz(s[r, c], dst)
+                dst[r, c] = _operand(s[r, c], plan.probs_like, dst)
         if plan.dpse and mr > _NEG:
             _add_dpse_row(s, r, tile, plan, dpse)
 
@@ -831,7 +847,8 @@ def _pse_kind(plan: AttentionPlan) -> int:
 
 def _kernel_plan(plan: AttentionPlan, q: torch.Tensor, skv: int, dpse: bool = False) -> KernelPlan:
     """The plan as the kernels take it (placeholders for absent arrays; Python ints and bools, float32 scalars,
-    so every plan compiles to the same argument type)."""
+    so every plan compiles to the same argument type). q: the input before widening (its dtype is the one P and
+    dS are rounded to with ``plan.round_probs``)."""
     b, n1, sq = q.shape[:3]
     mask = plan.atten_mask
     mask = np.zeros((1, 1, 1, 1), np.uint8) if mask is None else _view(mask)
@@ -849,7 +866,8 @@ def _kernel_plan(plan: AttentionPlan, q: torch.Tensor, skv: int, dpse: bool = Fa
                       has_mask=plan.atten_mask is not None, pse_kind=_pse_kind(plan),
                       pse_first=bool(plan.pse_type == 1), shift=int(plan.kv_start_idx - plan.q_start_idx),
                       dropout=bool(plan.has_dropout), dpse=bool(dpse), invalid_rows=bool(plan.invalid_rows),
-                      n1=int(n1), sq=int(sq), skv=int(skv), scale=scale, inv_keep=inv_keep)
+                      n1=int(n1), sq=int(sq), skv=int(skv), scale=scale, inv_keep=inv_keep,
+                      probs_like=kernel_view(q.new_zeros(1) if plan.round_probs else q.new_zeros(1, dtype=torch.float32)))
 
 
 def _use_brgemm(q: torch.Tensor, d: int, dv: int) -> bool:
@@ -893,10 +911,16 @@ def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=
     out = torch.empty(B, N1, Sq, v.shape[3], dtype=q.dtype) if out is None else _unit_rows(out)
     smax = torch.empty(B, N1, Sq, dtype=torch.float32) if softmax_max is None else softmax_max
     ssum = torch.empty(B, N1, Sq, dtype=torch.float32) if softmax_sum is None else softmax_sum
+    kplan = _kernel_plan(plan, q, k.shape[2])
+    q, k, v = _widened(plan, q, k, v)
     operands = _forward_operands(q, *(_view(t, in_place) for t in (q, k, v)))
-    _dynamic(_forward_kernel, operands, _kernel_plan(plan, q, k.shape[2]), kernel_view(out), smax.numpy(),
-             ssum.numpy())
+    _dynamic(_forward_kernel, operands, kplan, kernel_view(out), smax.numpy(), ssum.numpy())
     return out, smax, ssum
+
+
+def _widened(plan: AttentionPlan, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The inputs as the GEMMs take them: float32 copies with ``plan.widen_gemm`` (once per call), else as given."""
+    return tuple(t.float() for t in tensors) if plan.widen_gemm else tensors
 
 
 def _transposed_operands(q: torch.Tensor, dy: torch.Tensor, packed: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -937,7 +961,8 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     """Returns ``(dq, dk, dv, dpse)``: dq/dk/dv shaped like q, k, v in the input dtype (module docstring for
     the math); dpse shaped like ``plan.pse`` in its dtype when ``with_dpse`` (pse_type 0/1), else None.
 
-    softmax_max / softmax_sum ``[B, N1, Sq]`` fp32 and out (attentionIn) are used as given (any strides).
+    softmax_max / softmax_sum ``[B, N1, Sq]`` fp32 and out (attentionIn) are used as given (any strides); out is
+    not read in the golden order (``plan.widen_gemm`` without ``plan.round_probs``), which recomputes it in float32.
     dq / dk / dv: optional preallocated outputs (any strides, e.g. views into TND tensors), written in place;
     the inputs are then read in place too, as in :func:`flash_attention_forward`.
     """
@@ -946,16 +971,19 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     want_dpse = with_dpse and plan.pse is not None and plan.pse_type in (0, 1)
     batch_tasks, single_chunk = _dpse_split(plan, B) if want_dpse else (B, False)
     in_place = dq is not None
+    dq, dk, dv = (torch.empty(like.shape, dtype=q.dtype) if t is None else _unit_rows(t)
+                  for t, like in ((dq, q), (dk, k), (dv, v)))
+    kplan = _kernel_plan(plan, q, Skv, want_dpse)
+    q, k, v, dy = _widened(plan, q, k, v, dy)
+    if plan.widen_gemm and not plan.round_probs:  # D = rowsum(P dP) = rowsum(dy * out) of the unrounded output
+        out = flash_attention_forward(q, k, v, plan)[0]
     qv, kv, vv, dyv = (_view(t, in_place) for t in (q, k, v, dy))
     dr = np.empty((B, N1, Sq), np.float32)
     _row_dot_kernel(dyv, _view(out, in_place), dr)
     chunks = 1 if single_chunk else backward_chunks(batch_tasks * N2, Skv)
     dq_acc = np.zeros((chunks, B, N1, Sq, D), np.float32)
-    dq, dk, dv = (torch.empty(like.shape, dtype=q.dtype) if t is None else _unit_rows(t)
-                  for t, like in ((dq, q), (dk, k), (dv, v)))
     dpse_out, dpse = _dpse_target(plan, B, Sq) if want_dpse else (None, np.zeros((1, 1, 1, 1), np.float32))
     smax, ssum = (_view(t.detach().float(), in_place) for t in (softmax_max, softmax_sum))
-    kplan = _kernel_plan(plan, q, Skv, want_dpse)
     packed = _use_brgemm(q, D, v.shape[3])
     operands = BackwardOperands(qv, kv, vv, dyv, *_transposed_operands(q, dy, packed), smax, ssum, dr, packed)
     grads = Gradients(dq_acc, kernel_view(dk), kernel_view(dv), dpse)

@@ -46,6 +46,12 @@ class AttentionPlan:
       ``-slope * |j + kv_start_idx - i - q_start_idx|`` (type 3: its square root).
     * ``invalid_rows``: innerPrecise=2 semantics for fully masked rows (forward only): P = 0, out = 0,
       softmax_max = -FLT_MAX, softmax_sum = +FLT_MAX.
+    * ``widen_gemm``: q, k, v, dy are widened once to float32 and every GEMM runs in float32;
+      ``round_probs``: P and dS are rounded to the input dtype before their GEMMs (the NPU's order; with
+      ``widen_gemm`` the rounded values are widened again, exactly). Without ``widen_gemm`` the GEMMs take the
+      input dtype, so P and dS are rounded whatever ``round_probs`` says. The golden precision mode is
+      ``widen_gemm`` without ``round_probs``; the backward then takes ``D = rowsum(P * dP)`` from the unrounded
+      float32 output instead of the given attention_in.
     """
 
     scale: float
@@ -61,6 +67,8 @@ class AttentionPlan:
     q_start_idx: int = 0
     kv_start_idx: int = 0
     invalid_rows: bool = False
+    widen_gemm: bool = False
+    round_probs: bool = True
 
     @property
     def has_band(self) -> bool:

@@ -143,7 +143,7 @@ def run_backward(p: Problem, with_dpse: bool = False) -> tuple:
 # torch.compile they are graph inputs, and the checks that read their values run in the eager kernel.
 _ATTRIBUTES = ("int head_num, str input_layout, float scale_value, float keep_prob, int pre_tokens, int next_tokens, "
                "int inner_precise, int sparse_mode, int pse_type, str softmax_layout, int[]? prefix, "
-               "int[]? q_start_idx, int[]? kv_start_idx")
+               "int[]? q_start_idx, int[]? kv_start_idx, str precision")
 _ATTRIBUTE_KINDS, _ATTRIBUTE_NAMES = zip(*(item.split() for item in _ATTRIBUTES.split(", ")))
 _SEQ_LENGTHS = ("actual_seq_qlen", "actual_seq_kvlen")
 

@@ -18,12 +18,13 @@ pattern and never read it (see docs/cann-semantics.md, 'Deviations from CANN').
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from ..errors import ACLNN_ERR_PARAM_NULLPTR, AclnnError
+from ..precision_mode import GOLDEN, check_precision, current_precision
 from ..kernels import flash_attention as kernels
 from ..kernels.flash_attention_plan import (ALIBI_ROWS, MASK_READ_MODES, UNBOUNDED_TOKENS, AttentionPlan,
                                             band_row_counts, sparse_rule)
@@ -68,6 +69,7 @@ class AttentionAttrs:
     kv_start_idx: tuple[int, ...] | None = None
     actual_seq_qlen: object = None    # TND's cumulative lengths as given: int list or 1-D integer tensor
     actual_seq_kvlen: object = None
+    precision: str = field(default_factory=current_precision)  # the precision mode, read when parsed
 
     @classmethod
     def from_kwargs(cls, head_num, input_layout, **attributes) -> AttentionAttrs:
@@ -363,7 +365,9 @@ def resolve_plan(op: str, geo: Geometry, dtype: torch.dtype, attrs: AttentionAtt
     if keep_prob < 1.0:
         check_drop_mask(op, drop_mask, geo.b * geo.n1 * geo.sq * geo.skv, "B*N1*Sq*Skv/8")
         fields.update(keep_prob=keep_prob, drop_mask=drop_mask.detach().reshape(-1))
-    return AttentionPlan(scale=scale, pse_type=pse_type, invalid_rows=invalid_rows, **fields)
+    golden = check_precision(attrs.precision) == GOLDEN
+    return AttentionPlan(scale=scale, pse_type=pse_type, invalid_rows=invalid_rows, widen_gemm=golden,
+                         round_probs=not golden, **fields)
 
 
 # ----------------------------------------------------------------------------------------- kernels
