@@ -7,6 +7,8 @@ plain reference.
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -37,7 +39,7 @@ def spec_excluded(mode, sq, skv, pre, nxt, prefix):
              3: j > i + skv - sq, 4: (j - i > nxt + skv - sq) | (i - j > pre - (skv - sq))}
     if mode in rules:
         return rules[mode].expand(B, 1, sq, skv)
-    if prefix is None:  # mode 5 without prefix: mask only
+    if mode == 5:  # the mask alone decides; the prefix only says which keys the mask is expected to exclude
         return torch.zeros(B, 1, sq, skv, dtype=torch.bool)
     return (j > i + skv - sq) & (j >= torch.tensor(prefix).view(B, 1, 1, 1))
 
@@ -250,8 +252,8 @@ ERRORS = [  # kwargs, status, param, words
      "right-down"),
     (dict(atten_mask=SS, sparse_mode=5, prefix=[4, 24]), 161002, "attenMask", "per-batch"),
     (dict(atten_mask=SS.expand(B, 1, 20, 24), sparse_mode=5, prefix=[4]), 161002, "prefix", "B = 2"),
-    (dict(atten_mask=SS.expand(B, 1, 20, 24), sparse_mode=5, prefix=[3, 24]), 161002, "prefix", "[4"),
-    (dict(atten_mask=SS.expand(B, 1, 20, 24), sparse_mode=5, prefix=[4, 25]), 161002, "prefix", "24]"),
+    (dict(atten_mask=torch.zeros(3072, 2048, dtype=torch.bool), sparse_mode=6, prefix=[3, 24]), 161002, "prefix",
+     "[4"),
     (dict(atten_mask=torch.zeros(3072, 2048, dtype=torch.bool), sparse_mode=6), 161001, "prefix", "null"),
     (dict(atten_mask=C2, sparse_mode=6, prefix=[4, 4]), 161002, "attenMask", "[3072, 2048]"),
     (dict(atten_mask=torch.zeros(1024, 1024, dtype=torch.bool), sparse_mode=3), 161002, "attenMask", "2048"),
@@ -273,3 +275,27 @@ def test_mode0_tokens_valid_edges_and_ignored_without_mask():
     _forward(atten_mask=SS, pre_tokens=-23, next_tokens=30)    # row 0 still sees key 23
     _forward(pre_tokens=-100, next_tokens=-100)                 # no mask: tokens ignored (CANN)
     _forward(atten_mask=SS, sparse_mode=1, pre_tokens=-100, next_tokens=-100)   # mode 1 ignores tokens
+
+
+@pytest.mark.parametrize("prefix,warns", [([100], True), ([600], False)])
+def test_mode5_prefix_outside_documented_range_warns_and_follows_the_mask(prefix, warns):
+    """Mode 5, Sq 256 < Skv 512: the documented range is [256, 512]; a prefix of 100 (a CANN test case) warns and
+    computes from the mask, a prefix > Skv means full computation (documented, no warning)."""
+    sq, skv = 256, 512
+    q, k, v, dy = attention_inputs("BNSD", 1, 1, 1, sq, skv, D, D, torch.float32)
+    i, j = torch.arange(sq).view(sq, 1), torch.arange(skv).view(1, skv)
+    mask = ((j > i + skv - sq) & (j >= 100)).view(1, 1, sq, skv)
+    kw = dict(atten_mask=mask, sparse_mode=5, prefix=prefix, scale_value=SCALE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, smax, ssum = attngrad.flash_attention_score(q, k, v, 1, "BNSD", **kw)
+        dq, dk, dv, _ = attngrad.flash_attention_score_grad(q, k, v, dy, 1, "BNSD", softmax_max=smax,
+                                                            softmax_sum=ssum, attention_in=out, **kw)
+    messages = [str(w.message) for w in caught]
+    assert any("documented range [256, 512]" in m for m in messages) == warns, messages
+    plan = AttentionPlan(scale=SCALE, atten_mask=mask)
+    g_out, g_max, g_sum = flash_attention_forward_reference(q, k, v, plan)
+    assert_close(out, g_out)
+    for got, want in zip((dq, dk, dv), flash_attention_backward_reference(q, k, v, dy, out, smax[..., 0],
+                                                                         ssum[..., 0], plan)):
+        assert_close(got, want)

@@ -11,13 +11,13 @@ BSH / SBH / BSND / BNSD) and the varlen one (:mod:`attngrad.ops.flash_attention_
 * :func:`forward_kernel` / :func:`backward_kernel`: the kernels on a validated problem; :func:`stats8`.
 
 Choices where attngrad is stricter or more explicit than CANN, documented at their checks: an empty
-mode-0/4 band is an error also at the equality CANN's tiling lets through; a given but invalid prefix is an
-error for mode 5 too (CANN's grad only warns); modes 2/3/4/6 take the compressed mask as the standard
+mode-0/4 band is an error also at the equality CANN's tiling lets through; modes 2/3/4/6 take the compressed mask as the standard
 pattern and never read it (see docs/cann-semantics.md, 'Deviations from CANN').
 """
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -232,8 +232,10 @@ def _check_tokens(op: str, geo: Geometry, sparse_mode: int, pre_tokens: int, nex
 
 
 def _check_prefix(op: str, geo: Geometry, sparse_mode: int, prefix: list[int] | None) -> list[int] | None:
-    """Modes 5/6: prefix has B entries in [0, Skv] (Sq > Skv) or [Skv - Sq, Skv]; mode 6 needs it,
-    mode 5 without it is mask-only (full computation)."""
+    """Modes 5/6: prefix has B entries in the documented range [0, Skv] (Sq > Skv) or [Skv - Sq, Skv].
+    Mode 6 needs it and checks the range. Mode 5 reads only its mask, the prefix just tells which keys may be
+    skipped: without it, or with a value > Skv, the computation is full; a value outside the documented range
+    warns (CANN's grad only warns) and computes from the mask."""
     if prefix is None:
         if sparse_mode == 6:
             raise AclnnError(ACLNN_ERR_PARAM_NULLPTR, f"{op}: prefix must not be null (None) for sparseMode 6",
@@ -243,17 +245,22 @@ def _check_prefix(op: str, geo: Geometry, sparse_mode: int, prefix: list[int] | 
         raise invalid(op, "prefix", f"must have B = {geo.b} entries for sparseMode {sparse_mode}", len(prefix))
     low = 0 if geo.sq > geo.skv else geo.skv - geo.sq
     for value in prefix:
-        check_range(op, "prefix", value, low, geo.skv)
+        if sparse_mode == 6:
+            check_range(op, "prefix", value, low, geo.skv)
+        elif value < low:
+            warnings.warn(f"{op}: prefix {value} is outside the documented range [{low}, {geo.skv}] of sparseMode 5 "
+                          f"(Sq {geo.sq}, Skv {geo.skv}); the attenMask alone decides the result", stacklevel=2)
     return prefix
 
 
 def _resolve_mask(op: str, geo: Geometry, mask: torch.Tensor, sparse_mode: int, pre_tokens: int,
-                  next_tokens: int, prefix: list[int] | None) -> dict:
-    """attenMask + sparseMode + tokens + prefix -> the plan's mask / band / prefix.
+                  next_tokens: int, prefix: list[int] | None) -> tuple[dict, dict]:
+    """attenMask + sparseMode + tokens + prefix -> ``(fields, rule)``: the plan's mask / band / prefix, and the
+    band / prefix of the mode's index rule (which decides CANN's automatic invalid-row mode).
 
-    Modes 0/1/5 apply the mask's content element-wise (on top of the band of mode 0 and the prefix rule of
-    mode 5); modes 2/3/4/6 take their compressed mask as the standard triu pattern and run from the index
-    rule alone (:func:`sparse_rule`), never reading the tensor.
+    Modes 0/1/5 apply the mask's content element-wise (mode 0 on top of its band; mode 5 from the mask alone,
+    its prefix rule only describing the expected mask); modes 2/3/4/6 take their compressed mask as the
+    standard triu pattern and run from the index rule alone (:func:`sparse_rule`), never reading the tensor.
     """
     _check_atten_mask(op, mask, geo, sparse_mode)
     if sparse_mode in (0, 4):
@@ -261,11 +268,14 @@ def _resolve_mask(op: str, geo: Geometry, mask: torch.Tensor, sparse_mode: int, 
     if sparse_mode in (5, 6):
         prefix = _check_prefix(op, geo, sparse_mode, prefix)
     pre, nxt, rule_prefix = sparse_rule(sparse_mode, pre_tokens, next_tokens, geo.sq, geo.skv, prefix)
+    rule = dict(pre_tokens=pre, next_tokens=nxt,
+                prefix=None if rule_prefix is None else tuple(min(max(p, 0), geo.skv) for p in rule_prefix))
     dense = None
     if sparse_mode in MASK_READ_MODES:
         dense = (mask.unsqueeze(0).unsqueeze(0) if mask.dim() == 2 else mask).detach()
-    return dict(atten_mask=dense, pre_tokens=pre,
-                next_tokens=nxt, prefix=None if rule_prefix is None else tuple(rule_prefix))
+    if sparse_mode == 5:
+        return dict(atten_mask=dense), rule
+    return dict(atten_mask=dense, **rule), rule
 
 
 def _rule_leaves_empty_rows(geo: Geometry, band: dict) -> bool:
@@ -353,9 +363,11 @@ def resolve_plan(op: str, geo: Geometry, dtype: torch.dtype, attrs: AttentionAtt
         if t is not None:
             require_tensor(op, name, t)
     fields = dict(atten_mask=None, pre_tokens=UNBOUNDED_TOKENS, next_tokens=UNBOUNDED_TOKENS, prefix=None)
+    rule = fields
     if not absent(atten_mask):
-        fields.update(_resolve_mask(op, geo, atten_mask, sparse_mode, pre_tokens, next_tokens, prefix))
-    invalid_rows = inner_precise == 2 or _rule_leaves_empty_rows(geo, fields)
+        mask_fields, rule = _resolve_mask(op, geo, atten_mask, sparse_mode, pre_tokens, next_tokens, prefix)
+        fields = fields | mask_fields
+    invalid_rows = inner_precise == 2 or _rule_leaves_empty_rows(geo, rule)
     if absent(pse):
         if pse_type != 1:
             raise invalid(op, "pseType", "must be 1 when pse is null (pse input required for pseType 0/2/3)",
