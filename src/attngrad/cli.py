@@ -1,4 +1,4 @@
-"""Command line: ``attngrad examples | verify | bench | train``."""
+"""Command line: ``attngrad examples | verify | bench | train | golden | compare``."""
 
 from __future__ import annotations
 
@@ -115,10 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     ve.add_argument("--op", action="append", help="operator name (repeatable; default: all)")
     be = sub.add_parser("bench", help="benchmark against the PyTorch peers (needs the cli and plot extras)")
     from .bench import add_arguments
+    from .golden_cli import add_parsers as add_golden_parsers, main as run_golden_command
     from .train.cli import add_parser as add_train_parser, main as run_train
 
     add_arguments(be)
     add_train_parser(sub)
+    add_golden_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "examples":
         return run_examples(args.names)
@@ -126,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_verify(args.op)
     if args.command == "train":
         return run_train(args)
+    if args.command in ("golden", "compare"):
+        return run_golden_command(args)
     from .bench import run_bench
 
     return run_bench(args)

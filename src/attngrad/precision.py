@@ -12,6 +12,10 @@ The golden is computed in float64 from the same inputs (already rounded to their
   relative errors of up to 50%; for float32 and bfloat16 the floor is unchanged;
 * special values: wherever the golden is nan, +inf or -inf the output must be the same, and
   positions the caller lists as ``exact_zero`` must be exactly 0.
+
+CANN's element rule for flash attention (:func:`element_bad`, used by ``attngrad compare`` and the golden-mode
+tests): an element is bad when ``|a - g| > max(ELEMENT_REL * max(|a|, |g|), ELEMENT_ABS)``; an output passes
+when at most ``ELEMENT_BAD_RATIO`` of its elements are bad.
 """
 
 from __future__ import annotations
@@ -22,6 +26,16 @@ import torch
 
 NORM_REL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 MERE_TOL = {torch.float32: 2.0**-13, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+ELEMENT_REL, ELEMENT_ABS, ELEMENT_BAD_RATIO = 0.005, 2.5e-5, 0.005
+
+
+def element_bad(actual: torch.Tensor, golden: torch.Tensor) -> torch.Tensor:
+    """Bool, CANN's element rule: ``|a - g| > max(0.005 * max(|a|, |g|), 2.5e-5)`` in float64 (a nan or inf on
+    either side is bad unless both hold the same special value)."""
+    a, g = actual.detach().double(), golden.detach().double()
+    same_special = (a == g) | (a.isnan() & g.isnan())
+    bad = (a - g).abs() > torch.clamp(ELEMENT_REL * torch.maximum(a.abs(), g.abs()), min=ELEMENT_ABS)
+    return (bad | ~(a.isfinite() & g.isfinite())) & ~same_special
 
 
 @dataclass

@@ -7,6 +7,7 @@ rules (ND format, CANN's S2 and fixTriuMask limits via ``cann_limits=True``).
 from __future__ import annotations
 
 from ..ops import scaled_masked_softmax as contract
+from ..precision_mode import current_precision
 from .executor import as_torch_views, check_formats_nd, run_into, two_phase
 
 
@@ -16,7 +17,8 @@ def _prepare_forward(x, mask, scale, fixed_triu_mask, y):
     tx, tmask, ty = as_torch_views(op, named).values()
     tx, tmask, scale = contract.check_forward(tx, tmask, scale, fixed_triu_mask, ty, cann_limits=True)
     check_formats_nd(op, named)
-    return lambda: run_into(ty, (tx, tmask), lambda dest: contract.forward_kernel(tx, tmask, scale, dest))
+    precision = current_precision()
+    return lambda: run_into(ty, (tx, tmask), lambda dest: contract.forward_kernel(tx, tmask, scale, dest, precision))
 
 
 def _prepare_backward(grad_output, y, mask, scale, fix_triu_mask, out):

@@ -1,6 +1,8 @@
 """Contract of ScaledMaskedSoftmax and ScaledMaskedSoftmaxBackward (see docs/cann-semantics.md, 'ScaledMaskedSoftmax').
 
-Forward:  ``y = softmax(where(mask, -10000, x * scale))`` over the last axis (fp16: scaled in fp16).
+Forward:  ``y = softmax(where(mask, -10000, x * scale))`` over the last axis (fp16: scaled in fp16, except in
+the golden precision mode of :mod:`attngrad.precision_mode`, which scales in fp32; the backward is the same in
+both modes).
 Backward: ``out = where(mask, 0, (dy - sum(dy * y)) * y * scale)``, the sum over the whole row.
 
 Shapes: x / grad_output / y ``[B, N, S1, S2]``; mask bool ``[B|1, N|1, S1, S2]`` (True = masked).
@@ -20,6 +22,7 @@ import torch
 from ..kernels import scaled_masked_softmax as kernels
 from ..kernels.numeric import streams
 from ..kernels.tensor_view import kernel_view, new_output, unit_stride_rows
+from ..precision_mode import NPU, check_precision, current_precision
 from ..validation import (FLOAT_DTYPES, check_dim_broadcast, check_dim_equal, check_dtype, check_float,
                           check_output_view, check_range, check_rank, check_same_dtype, check_shape, invalid, is_real,
                           require_tensor)
@@ -115,14 +118,16 @@ def check_backward(grad_output, y, mask, scale=1.0, fix_triu_mask=False, out=Non
     return grad_output, y, mask, scale
 
 
-def forward_kernel(x: torch.Tensor, mask: torch.Tensor, scale: float, y: torch.Tensor | None = None) -> torch.Tensor:
+def forward_kernel(x: torch.Tensor, mask: torch.Tensor, scale: float, y: torch.Tensor | None = None,
+                   precision: str = NPU) -> torch.Tensor:
     """Run the fused forward kernel on validated input: x [B,N,S1,S2], mask bool [B|1,N|1,S1,S2] -> y like x
-    (float16 input: the scale is rounded to float16 first, as CANN scales in fp16). ``y``, when given, is a
-    validated output view (any strides) written in place, as the aclnn layer's caller-owned output."""
+    (float16 input in the npu precision mode: the scale is rounded to float16 first, as CANN scales in fp16).
+    ``y``, when given, is a validated output view (any strides) written in place, as the aclnn layer's
+    caller-owned output."""
     y = new_output(x.shape, x.dtype) if y is None else y
     if y.numel() == 0:
         return y
-    half = x.dtype == torch.float16
+    half = x.dtype == torch.float16 and check_precision(precision) == NPU
     kscale = np.float32(torch.tensor(scale, dtype=torch.float16 if half else torch.float32).item())
     kernels.scaled_masked_softmax_forward(kernel_view(x), kernel_view(unit_stride_rows(mask)), kscale, half,
                                           streams(y.nbytes), kernel_view(y))
@@ -145,13 +150,15 @@ def backward_kernel(grad_output, y, mask, scale: float, out: torch.Tensor | None
 # The ops run the contract's validation in their eager and fake kernels alike, so a bad input raises the same
 # AclnnError in eager, under torch.compile and in torch.export; the public functions below only call them.
 @torch.library.custom_op("attngrad::scaled_masked_softmax", mutates_args=())
-def _forward_op(x: torch.Tensor, mask: torch.Tensor | None, scale: float, fix_triu_mask: bool) -> torch.Tensor:
-    return forward_kernel(*check_forward(x, mask, scale, fix_triu_mask))
+def _forward_op(x: torch.Tensor, mask: torch.Tensor | None, scale: float, fix_triu_mask: bool,
+                precision: str) -> torch.Tensor:
+    return forward_kernel(*check_forward(x, mask, scale, fix_triu_mask), precision=precision)
 
 
 @_forward_op.register_fake
-def _forward_fake(x, mask, scale, fix_triu_mask):
+def _forward_fake(x, mask, scale, fix_triu_mask, precision):
     check_forward(x, mask, scale, fix_triu_mask)
+    check_precision(precision)
     return x.new_empty(x.shape)
 
 
@@ -168,7 +175,7 @@ def _backward_fake(grad_output, y, mask, scale, fix_triu_mask):
 
 
 def _save_forward(ctx, inputs, output):
-    _, mask, ctx.scale, ctx.fix_triu_mask = inputs
+    _, mask, ctx.scale, ctx.fix_triu_mask, _ = inputs
     ctx.save_for_backward(output, mask)
 
 
@@ -176,7 +183,7 @@ def _differentiate_forward(ctx, grad_y):
     """d x = ScaledMaskedSoftmaxBackward(grad_y, y, mask) on the saved y (grad_y cast to y's dtype)."""
     y, mask = ctx.saved_tensors
     grad_x = _backward_op(grad_y.to(y.dtype), y, mask, ctx.scale, ctx.fix_triu_mask)
-    return grad_x, None, None, None
+    return grad_x, None, None, None, None
 
 
 _forward_op.register_autograd(_differentiate_forward, setup_context=_save_forward)
@@ -198,7 +205,7 @@ def scaled_masked_softmax(x, mask, scale=1.0, fix_triu_mask=False):
     """
     if not _schema_ready((x,), mask, scale, fix_triu_mask):  # the contract's error, not the schema's
         check_forward(x, mask, scale, fix_triu_mask)
-    return _forward_op(x, mask, float(scale), fix_triu_mask)
+    return _forward_op(x, mask, float(scale), fix_triu_mask, current_precision())
 
 
 def scaled_masked_softmax_backward(grad_output, y, mask, scale=1.0, fix_triu_mask=False):
