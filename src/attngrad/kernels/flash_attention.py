@@ -21,6 +21,12 @@ float32. Query head n reads kv head ``n // G`` with ``G = N1 // N2``. The math (
   [B, N1, Sq, Skv] pse is written straight into the output): the task split (:func:`_dpse_split`) gives every
   element one owning task, so one fixed summation order.
 
+Precision flags of the plan (docs/golden.md): ``widen_gemm`` widens q, k, v, dy to float32 once per call, so
+every GEMM and scratch tile is float32 while the outputs keep the input dtype (one rounding each);
+``round_probs`` rounds P and dS to the input dtype before their GEMMs (:func:`_operand`; implied without
+``widen_gemm``). Golden mode (``widen_gemm`` without ``round_probs``) takes Dr from the float32 output of a
+forward pass on the widened inputs, ``Dr = rowsum(dy * out) = rowsum(P * dP)``, instead of the given out.
+
 Tiles and work split (both cores busy even for one head, results identical for any thread count):
 
 * forward: one task per (b, n1, query block); each task owns its rows, no reduction. A tile is cut to its
