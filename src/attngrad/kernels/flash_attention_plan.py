@@ -46,6 +46,8 @@ class AttentionPlan:
       ``-slope * |j + kv_start_idx - i - q_start_idx|`` (type 3: its square root).
     * ``invalid_rows``: innerPrecise=2 semantics for fully masked rows (forward only): P = 0, out = 0,
       softmax_max = -FLT_MAX, softmax_sum = +FLT_MAX.
+    * ``sink``: float32 ``[N1]`` or None: head n's softmax has one more logit ``sink[n]`` that carries no value
+      (its max and sum include it, so a row's P sums to less than 1; a fully masked row attends to the sink only).
     """
 
     scale: float
@@ -61,6 +63,7 @@ class AttentionPlan:
     q_start_idx: int = 0
     kv_start_idx: int = 0
     invalid_rows: bool = False
+    sink: torch.Tensor | None = None
 
     @property
     def has_band(self) -> bool:
