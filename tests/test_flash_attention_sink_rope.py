@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import attngrad
-from attngrad import AclnnError
+from attngrad import AclnnError, npu
 from attngrad.kernels.dropout import generate_drop_mask
 from attngrad.kernels.flash_attention_plan import AttentionPlan
 from attngrad.kernels.flash_attention_reference import (flash_attention_backward_reference,
@@ -232,3 +232,67 @@ def test_compiled_fullgraph_with_rope_and_sink():
         results.append((out, *(t.grad for t in leaves)))
     for eager, comp in zip(*results):
         assert torch.equal(eager, comp)
+
+
+def test_npu_v2_names_carry_rope_and_sink():
+    q, k, v, dy, qr, kr = _bnsd_inputs(torch.bfloat16, seed=23, kr_heads=1)
+    lay = [from_bnsd(t, "BSND") for t in (q, k, v, dy, qr, kr)]
+    sink = torch.randn(N1)
+    kw = dict(scale_value=0.25, query_rope=lay[4], key_rope=lay[5], sink=sink)
+    out, smax, ssum, *_ = npu.npu_fusion_attention_v2(*lay[:3], N1, "BSND", scale=0.25, query_rope=lay[4],
+                                                      key_rope=lay[5], sink=sink)
+    ref = attngrad.flash_attention_score(*lay[:3], N1, "BSND", **kw)
+    assert all(torch.equal(a, b) for a, b in zip((out, smax, ssum), ref))
+    grads = npu.npu_fusion_attention_grad_v2(*lay[:4], N1, "BSND", softmax_max=smax, softmax_sum=ssum,
+                                             attention_in=out, **kw)
+    ref_grads = attngrad.flash_attention_score_grad(*lay[:4], N1, "BSND", softmax_max=smax, softmax_sum=ssum,
+                                                    attention_in=out, **kw)
+    assert len(grads) == 7 and grads[3].numel() == 0
+    assert all(torch.equal(a, b) for a, b in zip(grads[:3] + grads[4:], ref_grads[:3] + ref_grads[4:]))
+
+
+def test_aclnn_grad_v3_sink_and_varlen_v3_rope():
+    from attngrad import aclnn
+    from helpers import acl
+    tokens = 2147483647
+    q, k, v, dy, qr, kr = _bnsd_inputs(torch.bfloat16, seed=29)
+    sink = torch.randn(N1)
+    out, smax, ssum = attngrad.flash_attention_score(q, k, v, N1, "BNSD", scale_value=0.25, sink=sink)
+    dq, dk, dv, dsink = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros(N1)
+    ret, ws, ex = aclnn.aclnnFlashAttentionScoreGradV3GetWorkspaceSize(
+        acl(q), acl(k), acl(v), acl(dy), None, None, None, None, acl(smax), acl(ssum), None, acl(out), acl(sink),
+        None, None, None, 0.25, 1.0, tokens, tokens, N1, "BNSD", 0, 0, 1, acl(dq), acl(dk), acl(dv), None,
+        acl(dsink))
+    assert ret == 0, aclnn.aclGetRecentErrMsg()
+    assert aclnn.aclnnFlashAttentionScoreGradV3(None, ws, ex, None) == 0
+    ref = attngrad.flash_attention_score_grad(q, k, v, dy, N1, "BNSD", scale_value=0.25, sink=sink,
+                                              softmax_max=smax, softmax_sum=ssum, attention_in=out)
+    assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv, dsink), ref[:3] + ref[6:]))
+    ret, _, _ = aclnn.aclnnFlashAttentionScoreGradV3GetWorkspaceSize(
+        acl(q), acl(k), acl(v), acl(dy), None, None, None, None, acl(smax), acl(ssum), None, acl(out), acl(sink),
+        None, None, None, 0.25, 1.0, tokens, tokens, N1, "BNSD", 0, 0, 1, acl(dq), acl(dk), acl(dv), None,
+        acl(torch.zeros(N1 + 1)))
+    assert ret == 161002
+    # TND rope: forward V3 then grad V3
+    t_q, t_k = B * SQ, B * SKV
+    tq, tk, tv, tdy, tqr, tkr = (x.permute(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3]).contiguous()
+                                 for x in (q, k, v, dy, qr, kr))
+    cq, ckv = [SQ, 2 * SQ], [SKV, 2 * SKV]
+    o, m8, s8 = torch.zeros(t_q, N1, D, dtype=q.dtype), torch.zeros(t_q, N1, 8), torch.zeros(t_q, N1, 8)
+    ret, ws, ex = aclnn.aclnnFlashAttentionVarLenScoreV3GetWorkspaceSize(
+        acl(tq), acl(tqr), acl(tk), acl(tkr), acl(tv), None, None, None, None, None, cq, ckv, None, None, 0.25, 1.0,
+        tokens, tokens, N1, "TND", 0, 0, 1, acl(m8), acl(s8), None, acl(o))
+    assert ret == 0, aclnn.aclGetRecentErrMsg()
+    assert aclnn.aclnnFlashAttentionVarLenScoreV3(None, ws, ex, None) == 0
+    kw = dict(scale_value=0.25, actual_seq_qlen=cq, actual_seq_kvlen=ckv, query_rope=tqr, key_rope=tkr)
+    assert all(torch.equal(a, b) for a, b in zip((o, m8, s8), attngrad.flash_attention_score(tq, tk, tv, N1, "TND",
+                                                                                             **kw)))
+    grads = [torch.zeros_like(x) for x in (tq, tqr, tk, tkr, tv)]
+    ret, ws, ex = aclnn.aclnnFlashAttentionUnpaddingScoreGradV3GetWorkspaceSize(
+        acl(tq), acl(tqr), acl(tk), acl(tkr), acl(tv), acl(tdy), None, None, None, None, acl(m8), acl(s8), None,
+        acl(o), None, cq, ckv, None, None, 0.25, 1.0, tokens, tokens, N1, "TND", 0, 0, 1, *map(acl, grads), None)
+    assert ret == 0, aclnn.aclGetRecentErrMsg()
+    assert aclnn.aclnnFlashAttentionUnpaddingScoreGradV3(None, ws, ex, None) == 0
+    ref = attngrad.flash_attention_score_grad(tq, tk, tv, tdy, N1, "TND", softmax_max=m8, softmax_sum=s8,
+                                              attention_in=o, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(grads, (ref[0], ref[4], ref[1], ref[5], ref[2])))

@@ -18,7 +18,11 @@ import torch
 from ..errors import ACLNN_ERR_PARAM_NULLPTR, AclnnError
 from ..kernels.flash_attention_plan import MASKED_LOGIT
 from ..validation import check_dtype, check_rank, check_same_dtype, invalid, require_tensor
-from .flash_attention_checks import absent
+from .flash_attention_checks import absent, check_output
+
+# the aclnn grad outputs of the optional inputs: output -> (its input's AttentionTensors field, Grads field)
+EXTRA_GRAD_OUTPUTS = {"dqRopeOut": ("query_rope", "dq_rope"), "dkRopeOut": ("key_rope", "dk_rope"),
+                      "dsinkOut": ("sink", "dsink")}
 
 _HEAD_SPLIT = ("BSH", "SBH")   # layouts whose last dim holds N * D
 
@@ -95,3 +99,12 @@ def sink_grad(sink: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, softmax_m
     p_sink = torch.exp(sink.view(1, -1, 1) - m) / s
     p_sink = p_sink.masked_fill(~(m > MASKED_LOGIT), 0.0)
     return -(p_sink * dr).sum((0, 2))
+
+
+def check_extra_outputs(op: str, outputs: dict, tensors) -> None:
+    """The aclnn grad's dqRopeOut / dkRopeOut / dsinkOut given in ``outputs`` (by name): required when their
+    input is given (161001), then its shape and dtype (161002)."""
+    for name, t in outputs.items():
+        source = getattr(tensors, EXTRA_GRAD_OUTPUTS[name][0])
+        if not absent(source):
+            check_output(op, name, t, tuple(source.shape), source.dtype)
