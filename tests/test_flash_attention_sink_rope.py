@@ -296,3 +296,15 @@ def test_aclnn_grad_v3_sink_and_varlen_v3_rope():
     ref = attngrad.flash_attention_score_grad(tq, tk, tv, tdy, N1, "TND", softmax_max=m8, softmax_sum=s8,
                                               attention_in=o, **kw)
     assert all(torch.equal(a, b) for a, b in zip(grads, (ref[0], ref[4], ref[1], ref[5], ref[2])))
+
+
+def test_flash_attn_func_sink():
+    """flash_attn_func(sink=...) is the BSND contract with the sink; softmax_lse includes the sink logit."""
+    q, k, v, dy, _, _ = _bnsd_inputs(torch.float32, seed=31)
+    q, k, v, dy = (t.transpose(1, 2) for t in (q, k, v, dy))
+    sink = torch.randn(N1)
+    out, lse, _ = attngrad.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, sink=sink)
+    ref, smax, ssum = attngrad.flash_attention_score(q, k, v, N1, "BSND", scale_value=D ** -0.5, sink=sink,
+                                                     atten_mask=CAUSAL, sparse_mode=3)
+    assert torch.equal(out, ref)
+    assert torch.allclose(lse, smax[..., 0] + ssum[..., 0].log())

@@ -3,9 +3,9 @@
 Each API's parameters are listed once, in CANN's C order, as the names of CANN's aclnn docs. V2 adds
 ``qStartIdxOptional, kvStartIdxOptional`` after ``prefixOptional`` and ``pseType`` after ``sparseMode``; V1
 runs with pseType 1. GradV3 adds ``sinkInOptional`` after ``attentionInOptional`` and ``dsinkOut`` after
-``dpseOut`` (attngrad: every dtype, not only float16 / bfloat16). The arguments become the contract's ``AttentionAttrs`` and ``AttentionTensors``
-(:mod:`attngrad.ops.flash_attention_core`); all checks live in :mod:`attngrad.ops.flash_attention`
-(``cann_limits=True``: the forward results are required by the grad,
+``dpseOut`` (attngrad: every dtype, not only float16 / bfloat16). The arguments become the contract's
+``AttentionAttrs`` and ``AttentionTensors`` (:mod:`attngrad.ops.flash_attention_core`); all checks live in
+:mod:`attngrad.ops.flash_attention` (``cann_limits=True``: the forward results are required by the grad,
 outputs are required, all-empty grad outputs succeed). ``softmaxOutOut``, ``paddingMaskOptional``,
 ``softmaxInOptional`` and ``dpseOut`` are reserved by CANN and left untouched. :func:`forward_prepare` and
 :func:`grad_prepare` also serve the varlen APIs of :mod:`attngrad.aclnn.flash_attention_varlen`.

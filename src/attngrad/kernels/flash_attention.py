@@ -783,8 +783,9 @@ def _backward_key_block(ops, plan, grads, work, b, n2, j0, chunk):
 
 @njit(inline="always")
 def _backward_scratch(q, d, dv, dr, packed, pack_like):
-    """A backward task's :class:`BackwardScratch`; the packed operands have ``pack_like``'s element type (uint32
-    VNNI pairs for bfloat16, else float32) and are 1-element placeholders where unused."""
+    """A backward task's :class:`BackwardScratch` (``dr``: the rope dim, 0 without rope); the packed operands have
+    ``pack_like``'s element type (uint32 VNNI pairs for bfloat16, else float32) and are 1-element placeholders where
+    unused."""
     per = pack_like.itemsize // q.itemsize  # input elements per packed element (2: VNNI pairs)
     block = max(d, dv) * _BK // per if packed else 1
     pairs = block if per == 2 else 1  # K rows and the Pd / dS tiles are packed for VNNI pairs only
@@ -793,7 +794,8 @@ def _backward_scratch(q, d, dv, dr, packed, pack_like):
     return BackwardScratch(aligned_empty((_BQ, _BK), np.float32), aligned_empty((_BQ, _BK), np.float32),
                            aligned_empty((_BQ, _BK), q.dtype), aligned_empty((_BQ, _BK), q.dtype),
                            aligned_empty((d, _BK), np.float32), aligned_empty((dv, _BK), np.float32),
-                           aligned_empty((max(dr, 1), _BK), np.float32), aligned_empty((block,), like), aligned_empty((block,), like),
+                           aligned_empty((max(dr, 1), _BK), np.float32), aligned_empty((block,), like),
+                           aligned_empty((block,), like),
                            aligned_empty((pairs,), like), aligned_empty((tile,), like), aligned_empty((tile,), like))
 
 

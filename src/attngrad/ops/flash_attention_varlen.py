@@ -41,8 +41,8 @@ from ..kernels.tensor_view import new_output
 from ..validation import (MASK_DTYPES, check_choice, check_dtype, check_float, check_int, check_int_list,
                           check_int_tensor, check_range, check_rank, invalid, require_tensor)
 from .flash_attention_core import (COMPRESSED_MASK, STATS_COPIES, AttentionAttrs, AttentionTensors, Geometry,
-                                   Grads, Problem, backward_kernel, forward_kernel, geometry, has_float_pse, resolve_plan,
-                                   stats8)
+                                   Grads, Problem, backward_kernel, forward_kernel, geometry, has_float_pse,
+                                   resolve_plan, stats8)
 from .flash_attention_checks import (NO_OUTPUTS, absent, check_cann_sizes, check_drop_mask, check_dy_and_attention_in,
                                      check_forward_outputs, check_grad_outputs, check_head_num, check_input_layout,
                                      check_pse_type, check_tensors, require_forward_tensors,
@@ -497,8 +497,9 @@ def run_forward(p: VarlenProblem) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def run_backward(p: VarlenProblem, with_dpse: bool = False) -> Grads:
     """Per-batch grad (recomputing out and stats by :func:`forward_packed` when absent): :class:`Grads`, dq, dk,
-    dv (and dq_rope, dk_rope) shaped like query, key, value (and the rope parts), each batch written in place (rows beyond the totals, queries of batches
-    without keys and keys of batches without queries get 0, as in CANN) and, with ``with_dpse`` for a float
+    dv (and dq_rope, dk_rope) shaped like query, key, value (and the rope parts), each batch written in place
+    (rows beyond the totals, queries of batches without keys and keys of batches without queries get 0, as in
+    CANN) and, with ``with_dpse`` for a float
     pse (pseType 0/1), dpse in the pse's TND form (batch b's gradient added at the place it was read from, so
     a shared compressed alibi sums its batches); else dpse is None. dsink: the sum over the batches."""
     geo = p.geo
