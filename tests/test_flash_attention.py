@@ -183,9 +183,12 @@ def test_npu_names_and_tuples():
     grads2 = npu.npu_fusion_attention_grad_v2(q, k, v, dy, 4, "BSND", softmax_max=smax, softmax_sum=ssum,
                                               attention_in=out, scale_value=0.25)
     assert len(grads2) == 7 and all(torch.equal(a, b) for a, b in zip(grads2[:3], ref_grads[:3]))
-    with pytest.raises(attngrad.AclnnError, match="not supported yet") as exc:
-        npu.npu_fusion_attention(q, k, v, 4, "BSND", sink=torch.zeros(4))
-    assert exc.value.status == 161002 and exc.value.param == "sink"
+    sink = torch.linspace(-1, 1, 4)
+    fwd_sink = npu.npu_fusion_attention(q, k, v, 4, "BSND", scale=0.25, sink=sink)
+    assert all(torch.equal(a, b) for a, b in zip(fwd_sink[:3], attngrad.flash_attention_score(
+        q, k, v, 4, "BSND", scale_value=0.25, sink=sink)))
+    dsink = npu.npu_fusion_attention_grad(q, k, v, dy, 4, "BSND", scale_value=0.25, sink=sink)[4]
+    assert dsink.shape == (4,) and dsink.dtype == torch.float32
 
 
 @pytest.mark.parametrize("v2", [False, True])

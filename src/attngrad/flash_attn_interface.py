@@ -16,6 +16,11 @@ CANN'):
   run as square ``Skv x Skv`` blocks of query rows (docs/interop.md, 'alibi with seqlen_q != seqlen_k').
 
 A query row that sees no key gets output 0, zero gradients and ``softmax_lse = +inf``, as in flash-attn.
+
+``sink`` (attngrad's extension, gpt-oss style; keyword of every function): float32 ``[nheads]``, one more logit
+per head in every row's softmax that carries no value (differentiable; ``softmax_lse`` includes it, and a row
+without keys then attends to the sink only: output 0, ``softmax_lse = sink``). See docs/cann-semantics.md,
+'Rope parts and attention sink'.
 Unsupported flash-attn features raise :class:`attngrad.AclnnError` 161002 naming the argument.
 """
 
@@ -48,8 +53,9 @@ class _Attention:
     """
 
     def __init__(self, op, head_dim, seqlen_k, *, dropout_p, softmax_scale, causal, window_size, softcap,
-                 alibi_slopes):
+                 alibi_slopes, sink=None):
         self.op = op
+        self.sink = sink
         dropout_p = check_float(op, "dropout_p", dropout_p)
         check_range(op, "dropout_p", dropout_p, 0.0, 1.0, high_open=True)
         self.keep_prob = 1.0 - dropout_p
@@ -72,7 +78,7 @@ class _Attention:
             kwargs.update(pse=self.slopes, pse_type=2, q_start_idx=[q_start], kv_start_idx=[0])
         out, softmax_max, softmax_sum, *_ = npu_fusion_attention_v2(
             q, k, v, q.shape[-2], layout, scale=self.scale, keep_prob=self.keep_prob, seed=self.seed,
-            offset=offset, **kwargs, **varlen)
+            offset=offset, sink=self.sink, **kwargs, **varlen)
         return out, softmax_max[..., 0], softmax_sum[..., 0]
 
 
@@ -147,37 +153,39 @@ def _rows_without_keys(q, v, rows: int):
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, sink=None):
     """flash-attn's attention over ``[batch, seqlen, nheads, headdim]`` tensors (GQA: k/v with nheads_k dividing
     nheads) -> ``out [batch, seqlen_q, nheads, headdim_v]`` in q's dtype, or with ``return_attn_probs``
     ``(out, softmax_lse [batch, nheads, seqlen_q] float32, None)``.
 
     causal and ``window_size=(left, right)`` are aligned to the bottom-right corner; ``alibi_slopes``
     ``[nheads]`` / ``[batch, nheads]`` float32 adds ``-slope * |i + seqlen_k - seqlen_q - j|``. Differentiable
-    w.r.t. q, k, v; ``deterministic`` has no effect (the backward always is).
+    w.r.t. q, k, v (and ``sink``, module docstring); ``deterministic`` has no effect (the backward always is).
     """
     op = "flash_attn_func"
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_rank(op, name, require_tensor(op, name, t), (4,))
     att = _Attention(op, q.shape[-1], k.shape[1], dropout_p=dropout_p, softmax_scale=softmax_scale, causal=causal,
-                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, sink=sink)
     return _result(*_attention_bsnd(att, q, k, v), return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                              sink=None):
     """:func:`flash_attn_func` on ``qkv [batch, seqlen, 3, nheads, headdim]``."""
     q, k, v = _unpack("flash_attn_qkvpacked_func", "qkv", qkv, 5, 2, 3)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+                           deterministic, return_attn_probs, sink=sink)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                             sink=None):
     """:func:`flash_attn_func` on q and ``kv [batch, seqlen_k, 2, nheads_k, headdim]``."""
     k, v = _unpack("flash_attn_kvpacked_func", "kv", kv, 5, 2, 2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+                           deterministic, return_attn_probs, sink=sink)
 
 
 def _unpack(op: str, name: str, packed, rank: int, dim: int, count: int):
@@ -236,7 +244,7 @@ def _lengths(ends: list[int]) -> list[int]:
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, *, sink=None):
     """flash-attn's varlen attention: q ``[total_q, nheads, headdim]``, k/v ``[total_k, nheads_k, headdim]``
     packed by ``cu_seqlens_q`` / ``cu_seqlens_k`` (``[batch + 1]`` int, starting at 0) -> ``out [total_q,
     nheads, headdim_v]``, or ``(out, softmax_lse [nheads, total_q] float32, None)``.
@@ -253,24 +261,25 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     ends_q, ends_k = _cumulative(op, "cu_seqlens_q", cu_seqlens_q), _cumulative(op, "cu_seqlens_k", cu_seqlens_k)
     att = _Attention(op, q.shape[-1], check_int(op, "max_seqlen_k", max_seqlen_k), dropout_p=dropout_p,
                      softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
-                     alibi_slopes=alibi_slopes)
+                     alibi_slopes=alibi_slopes, sink=sink)
     return _result(*_attention_varlen(att, q, k, v, ends_q, ends_k), return_attn_probs)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+                                     return_attn_probs=False, *, sink=None):
     """:func:`flash_attn_varlen_func` on ``qkv [total, 3, nheads, headdim]`` (one ``cu_seqlens``)."""
     q, k, v = _unpack("flash_attn_varlen_qkvpacked_func", "qkv", qkv, 4, 1, 3)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
-                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  sink=sink)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, sink=None):
     """:func:`flash_attn_varlen_func` on q and ``kv [total_k, 2, nheads_k, headdim]``."""
     k, v = _unpack("flash_attn_varlen_kvpacked_func", "kv", kv, 4, 1, 2)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+                                  return_attn_probs, sink=sink)

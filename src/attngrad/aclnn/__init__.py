@@ -11,14 +11,19 @@ from .exp_segsum import (aclnnExpSegsum, aclnnExpSegsumBackward, aclnnExpSegsumB
 from .flash_attention import (aclnnFlashAttentionScore, aclnnFlashAttentionScoreGetWorkspaceSize,
                               aclnnFlashAttentionScoreGrad, aclnnFlashAttentionScoreGradGetWorkspaceSize,
                               aclnnFlashAttentionScoreGradV2, aclnnFlashAttentionScoreGradV2GetWorkspaceSize,
+                              aclnnFlashAttentionScoreGradV3, aclnnFlashAttentionScoreGradV3GetWorkspaceSize,
                               aclnnFlashAttentionScoreV2, aclnnFlashAttentionScoreV2GetWorkspaceSize)
 from .flash_attention_varlen import (aclnnFlashAttentionUnpaddingScoreGrad,
                                      aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize,
                                      aclnnFlashAttentionUnpaddingScoreGradV2,
                                      aclnnFlashAttentionUnpaddingScoreGradV2GetWorkspaceSize,
+                                     aclnnFlashAttentionUnpaddingScoreGradV3,
+                                     aclnnFlashAttentionUnpaddingScoreGradV3GetWorkspaceSize,
                                      aclnnFlashAttentionVarLenScore, aclnnFlashAttentionVarLenScoreGetWorkspaceSize,
                                      aclnnFlashAttentionVarLenScoreV2,
-                                     aclnnFlashAttentionVarLenScoreV2GetWorkspaceSize)
+                                     aclnnFlashAttentionVarLenScoreV2GetWorkspaceSize,
+                                     aclnnFlashAttentionVarLenScoreV3,
+                                     aclnnFlashAttentionVarLenScoreV3GetWorkspaceSize)
 from .runtime import *  # noqa: F401,F403 - the AscendCL names, as in C
 from .scaled_masked_softmax import (aclnnScaledMaskedSoftmax, aclnnScaledMaskedSoftmaxBackward,
                                     aclnnScaledMaskedSoftmaxBackwardGetWorkspaceSize,

@@ -1,10 +1,11 @@
-"""aclnnFlashAttentionScore(V2) and aclnnFlashAttentionScoreGrad(V2): thin two-phase wrappers.
+"""aclnnFlashAttentionScore(V2) and aclnnFlashAttentionScoreGrad(V2, V3): thin two-phase wrappers.
 
 Each API's parameters are listed once, in CANN's C order, as the names of CANN's aclnn docs. V2 adds
 ``qStartIdxOptional, kvStartIdxOptional`` after ``prefixOptional`` and ``pseType`` after ``sparseMode``; V1
-runs with pseType 1. The arguments become the contract's ``AttentionAttrs`` and ``AttentionTensors``
-(:mod:`attngrad.ops.flash_attention_core`); all checks live in :mod:`attngrad.ops.flash_attention`
-(``cann_limits=True``: the forward results are required by the grad,
+runs with pseType 1. GradV3 adds ``sinkInOptional`` after ``attentionInOptional`` and ``dsinkOut`` after
+``dpseOut`` (attngrad: every dtype, not only float16 / bfloat16). The arguments become the contract's
+``AttentionAttrs`` and ``AttentionTensors`` (:mod:`attngrad.ops.flash_attention_core`); all checks live in
+:mod:`attngrad.ops.flash_attention` (``cann_limits=True``: the forward results are required by the grad,
 outputs are required, all-empty grad outputs succeed). ``softmaxOutOut``, ``paddingMaskOptional``,
 ``softmaxInOptional`` and ``dpseOut`` are reserved by CANN and left untouched. :func:`forward_prepare` and
 :func:`grad_prepare` also serve the varlen APIs of :mod:`attngrad.aclnn.flash_attention_varlen`.
@@ -15,6 +16,7 @@ from __future__ import annotations
 from ..ops import flash_attention as contract
 from ..ops.flash_attention_core import AttentionAttrs, AttentionTensors
 from ..ops.flash_attention_checks import FORWARD_OUTPUTS, GRAD_OUTPUTS
+from ..ops.flash_attention_sink_rope import EXTRA_GRAD_OUTPUTS, check_extra_outputs
 from .executor import as_ints, as_torch_views, check_formats_nd, no_work, two_phase, write_output
 
 FORWARD_V2_PARAMS = ("query", "key", "value", "realShift", "dropMask", "paddingMask", "attenMask", "prefix",
@@ -27,14 +29,26 @@ GRAD_V2_PARAMS = ("query", "keyIn", "value", "dy", "pseShift", "dropMask", "padd
                   "pseType", "dqOut", "dkOut", "dvOut", "dpseOut")
 V2_ONLY_PARAMS = ("qStartIdx", "kvStartIdx", "pseType")
 
+
+def inserted(params: tuple[str, ...], **after: str) -> tuple[str, ...]:
+    """``params`` with each new parameter (keyword) inserted right after the existing one it names."""
+    out = list(params)
+    for new, anchor in after.items():
+        out.insert(out.index(anchor) + 1, new)
+    return tuple(out)
+
+
+GRAD_V3_PARAMS = inserted(GRAD_V2_PARAMS, sinkIn="attentionIn", dsinkOut="dpseOut")
+
 # aclTensor inputs (given positionally to the contract) and outputs, by CANN name
 FORWARD_INPUTS = ("query", "key", "value")
 GRAD_INPUTS = ("query", "keyIn", "value", "dy")
-OUTPUT_TENSORS = (*FORWARD_OUTPUTS, "softmaxOutOut", *GRAD_OUTPUTS, "dpseOut")
+OUTPUT_TENSORS = (*FORWARD_OUTPUTS, "softmaxOutOut", *GRAD_OUTPUTS, "dpseOut", *EXTRA_GRAD_OUTPUTS)
 # optional aclTensor parameters -> the AttentionTensors field (padding_mask / softmax_in: reserved by CANN)
 TENSOR_KEYWORDS = {"realShift": "pse", "pseShift": "pse", "dropMask": "drop_mask", "paddingMask": "padding_mask",
                    "attenMask": "atten_mask", "softmaxMax": "softmax_max", "softmaxSum": "softmax_sum",
-                   "softmaxIn": "softmax_in", "attentionIn": "attention_in"}
+                   "softmaxIn": "softmax_in", "attentionIn": "attention_in", "queryRope": "query_rope",
+                   "keyRope": "key_rope", "keyInRope": "key_rope", "sinkIn": "sink"}
 # aclIntArray parameters -> the contract's keyword, in the order they are converted
 INT_ARRAY_KEYWORDS = {"actualSeqQLen": "actual_seq_qlen", "actualSeqKvLen": "actual_seq_kvlen", "prefix": "prefix",
                       "qStartIdx": "q_start_idx", "kvStartIdx": "kv_start_idx"}
@@ -92,7 +106,7 @@ def forward_prepare(contract_module, params: tuple[str, ...]):
 def grad_prepare(contract_module, params: tuple[str, ...]):
     """The ``prepare(*args)`` of a grad API taking ``params`` (CANN's order) for :func:`two_phase`:
     ``contract_module.check_backward`` validates (None: all outputs empty, CANN returns success and computes
-    nothing), the run writes dq, dk and dv."""
+    nothing), the run writes dq, dk and dv (and dqRopeOut, dkRopeOut, dsinkOut where the API has them)."""
     op = contract_module.BACKWARD
 
     def prepare(*args):
@@ -101,11 +115,18 @@ def grad_prepare(contract_module, params: tuple[str, ...]):
                                                  outputs=_views(t, GRAD_OUTPUTS), cann_limits=True)
         if problem is None:
             return no_work
+        extra_outputs = {name: t.get(name) for name in EXTRA_GRAD_OUTPUTS if name in params}
+        check_extra_outputs(op, extra_outputs, tensors)
         check_formats_nd(op, acl_tensors)
 
         def run():
-            for name, grad in zip(GRAD_OUTPUTS, contract_module.run_backward(problem)):
+            grads = contract_module.run_backward(problem)
+            for name, grad in zip(GRAD_OUTPUTS, grads):
                 write_output(t[name], grad)
+            for name, target in extra_outputs.items():
+                result = getattr(grads, EXTRA_GRAD_OUTPUTS[name][1])
+                if result is not None:
+                    write_output(target, result)
         return run
     return prepare
 
@@ -118,3 +139,5 @@ aclnnFlashAttentionScoreGradGetWorkspaceSize, aclnnFlashAttentionScoreGrad = two
     "aclnnFlashAttentionScoreGrad", grad_prepare(contract, v1_params(GRAD_V2_PARAMS)))
 aclnnFlashAttentionScoreGradV2GetWorkspaceSize, aclnnFlashAttentionScoreGradV2 = two_phase(
     "aclnnFlashAttentionScoreGradV2", grad_prepare(contract, GRAD_V2_PARAMS))
+aclnnFlashAttentionScoreGradV3GetWorkspaceSize, aclnnFlashAttentionScoreGradV3 = two_phase(
+    "aclnnFlashAttentionScoreGradV3", grad_prepare(contract, GRAD_V3_PARAMS))

@@ -1,4 +1,4 @@
-"""aclnnFlashAttentionVarLenScore(V2) and aclnnFlashAttentionUnpaddingScoreGrad(V2): thin two-phase wrappers.
+"""aclnnFlashAttentionVarLenScore(V2, V3) and aclnnFlashAttentionUnpaddingScoreGrad(V2, V3): thin two-phase wrappers.
 
 Parameters in CANN's C order: the FlashAttentionScore(Grad) order of :mod:`attngrad.aclnn.flash_attention` with
 ``actualSeqQLenOptional, actualSeqKvLenOptional`` after ``prefixOptional`` (V2 adds ``qStartIdxOptional,
@@ -6,13 +6,16 @@ kvStartIdxOptional`` after them and ``pseType`` after ``sparseMode``; V1 runs wi
 must be "TND" and softmaxMax/Sum use CANN's default data order (per-batch [N1, Sq_b, 8] blocks). All checks
 live in :mod:`attngrad.ops.flash_attention_varlen` (``cann_limits=True``). ``softmaxOutOut``,
 ``paddingMaskOptional``, ``softmaxInOptional`` and ``dpseOut`` are reserved by CANN and left untouched.
+V3 (MLA) adds ``queryRope`` after ``query`` and ``keyRope`` / ``keyInRope`` after ``key`` / ``keyIn``; the
+grad adds ``dqRopeOut`` / ``dkRopeOut`` after ``dqOut`` / ``dkOut`` (attngrad: every dtype, mask, pse and
+dropout, where CANN takes bfloat16 with a mask and without pse or dropout).
 """
 
 from __future__ import annotations
 
 from ..ops import flash_attention_varlen as contract
 from .executor import two_phase
-from .flash_attention import FORWARD_V2_PARAMS, GRAD_V2_PARAMS, forward_prepare, grad_prepare, v1_params
+from .flash_attention import FORWARD_V2_PARAMS, GRAD_V2_PARAMS, forward_prepare, grad_prepare, inserted, v1_params
 
 
 def with_seq_lens(params: tuple[str, ...]) -> tuple[str, ...]:
@@ -23,6 +26,9 @@ def with_seq_lens(params: tuple[str, ...]) -> tuple[str, ...]:
 
 VARLEN_FORWARD_V2_PARAMS = with_seq_lens(FORWARD_V2_PARAMS)
 VARLEN_GRAD_V2_PARAMS = with_seq_lens(GRAD_V2_PARAMS)
+VARLEN_FORWARD_V3_PARAMS = inserted(VARLEN_FORWARD_V2_PARAMS, queryRope="query", keyRope="key")
+VARLEN_GRAD_V3_PARAMS = inserted(VARLEN_GRAD_V2_PARAMS, queryRope="query", keyInRope="keyIn", dqRopeOut="dqOut",
+                                 dkRopeOut="dkOut")
 
 aclnnFlashAttentionVarLenScoreGetWorkspaceSize, aclnnFlashAttentionVarLenScore = two_phase(
     "aclnnFlashAttentionVarLenScore", forward_prepare(contract, v1_params(VARLEN_FORWARD_V2_PARAMS)))
@@ -32,3 +38,7 @@ aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize, aclnnFlashAttentionUnpadd
     "aclnnFlashAttentionUnpaddingScoreGrad", grad_prepare(contract, v1_params(VARLEN_GRAD_V2_PARAMS)))
 aclnnFlashAttentionUnpaddingScoreGradV2GetWorkspaceSize, aclnnFlashAttentionUnpaddingScoreGradV2 = two_phase(
     "aclnnFlashAttentionUnpaddingScoreGradV2", grad_prepare(contract, VARLEN_GRAD_V2_PARAMS))
+aclnnFlashAttentionVarLenScoreV3GetWorkspaceSize, aclnnFlashAttentionVarLenScoreV3 = two_phase(
+    "aclnnFlashAttentionVarLenScoreV3", forward_prepare(contract, VARLEN_FORWARD_V3_PARAMS))
+aclnnFlashAttentionUnpaddingScoreGradV3GetWorkspaceSize, aclnnFlashAttentionUnpaddingScoreGradV3 = two_phase(
+    "aclnnFlashAttentionUnpaddingScoreGradV3", grad_prepare(contract, VARLEN_GRAD_V3_PARAMS))

@@ -111,6 +111,8 @@ class KernelPlan(NamedTuple):
     scale: np.float32
     inv_keep: np.float32  # 1 / keep_prob
     probs_like: np.ndarray  # 1 element of the type P and dS are rounded to before their GEMMs (:func:`_operand`)
+    sink: np.ndarray  # float32 [N1]: the sink logit of each head, read when has_sink
+    has_sink: bool
 
 
 class Tile(NamedTuple):
@@ -125,7 +127,8 @@ class Tile(NamedTuple):
 
 
 class ForwardOperands(NamedTuple):
-    """q, k, v (kernel views) and K^T, V packed per key block by :func:`_pack_kv_kernel` when ``packed``."""
+    """q, k, v (kernel views), K^T, V packed per key block by :func:`_pack_kv_kernel` when ``packed``, and the
+    rope parts q_rope ``[B, N1, Sq, Dr]``, k_rope ``[B, N2 or 1, Skv, Dr]`` when ``rope`` (:func:`_add_rope_scores`)."""
 
     q: np.ndarray
     k: np.ndarray
@@ -133,6 +136,9 @@ class ForwardOperands(NamedTuple):
     kt: np.ndarray  # [B, N2, blocks, _FWD_BK * D / per]: the B operands of QK^T
     vt: np.ndarray  # bfloat16: [B, N2, blocks, _FWD_BK * Dv / 2] VNNI pairs, the B operands of PV
     packed: bool
+    qr: np.ndarray
+    kr: np.ndarray
+    rope: bool
 
 
 class ForwardScratch(NamedTuple):
@@ -159,15 +165,21 @@ class BackwardOperands(NamedTuple):
     ssum: np.ndarray
     dr: np.ndarray
     packed: bool
+    qr: np.ndarray  # the rope parts, as in :class:`ForwardOperands`
+    kr: np.ndarray
+    rope: bool
 
 
 class Gradients(NamedTuple):
-    """The backward's outputs: fp32 dQ slices ``[chunks, B, N1, Sq, D]``, dk, dv and dpse (or a placeholder)."""
+    """The backward's outputs: fp32 dQ slices ``[chunks, B, N1, Sq, D]``, dk, dv and dpse (or a placeholder);
+    with rope the fp32 dQ_rope slices ``[chunks, B, N1, Sq, Dr]`` and dK_rope per kv head ``[B, N2, Skv, Dr]``."""
 
     dq_acc: np.ndarray
     dk: np.ndarray
     dv: np.ndarray
     dpse: np.ndarray
+    dqr_acc: np.ndarray
+    dkr: np.ndarray
 
 
 class BackwardScratch(NamedTuple):
@@ -179,6 +191,7 @@ class BackwardScratch(NamedTuple):
     dst: np.ndarray  # input dtype [_BQ, _BK]: dS
     dkt: np.ndarray  # fp32 [D, _BK]: dK^T of the key block
     dvt: np.ndarray  # fp32 [Dv, _BK]: dV^T of the key block
+    dkrt: np.ndarray  # fp32 [Dr, _BK]: dK_rope^T of the key block (rope)
     kt: np.ndarray  # the key block's K^T, V^T (:func:`_pack_transposed`) and bfloat16 K (:func:`_pack_rows`)
     vt: np.ndarray
     k_pairs: np.ndarray
@@ -534,6 +547,11 @@ def _forward_block(ops, plan, b, n, i0, rows, allow_skip, work):
     work.l[:] = 0.0
     skipped = False
     first = True  # the first computed tile sets acc: its old content is never read (its rescale by alpha = 0 is moot)
+    if plan.has_sink:  # the sink: one more logit of every row, with no value (max starts at it, sum at 1)
+        work.m[:] = plan.sink[n]
+        work.l[:] = 1.0
+        acc[:] = 0.0
+        first = False
     for j0 in range(0, Skv, BK):
         block = min(BK, Skv - j0)  # the key block's width (the row stride of its packed K^T)
         cols = _visible_cols(i0, rows, j0, block, plan.nxt, plan.prefix[b]) if allow_skip else block
@@ -548,6 +566,8 @@ def _forward_block(ops, plan, b, n, i0, rows, allow_skip, work):
             brgemm(q, rows, cols, D, _matrix(q, b, n, i0), kt, _scratch(s), False)
         else:
             gemm(q, NO_TRANS, TRANS, rows, cols, D, _matrix(q, b, n, i0), _matrix(k, b, n2, j0), _scratch(s), False)
+        if ops.rope:
+            _add_rope_scores(ops, Tile(b, n, i0, rows, j0, cols), n2, s)
         general = plan.has_mask or kind != _INSIDE
         _forward_tile(work, Tile(b, n, i0, rows, j0, cols), general, plan)
         if on_brgemm:
@@ -557,6 +577,29 @@ def _forward_block(ops, plan, b, n, i0, rows, allow_skip, work):
             gemm(q, NO_TRANS, NO_TRANS, rows, Dv, cols, _scratch(p), _matrix(v, b, n2, j0), _scratch(acc), not first)
         first = False
     return skipped
+
+
+@njit(inline="always")
+def _add_rope_scores(ops, tile, n2, s):
+    """s += q_rope k_rope^T over the tile (the rope parts' share of the scores, a second GEMM into the same fp32
+    tile: no concatenated copy of Q and K); a single k_rope head serves every head."""
+    qr, kr = ops.qr, ops.kr
+    b, n, i0, rows, j0, cols = tile
+    nr = n2 if kr.shape[1] > 1 else 0
+    gemm(qr, NO_TRANS, TRANS, rows, cols, qr.shape[3], _matrix(qr, b, n, i0), _matrix(kr, b, nr, j0), _scratch(s),
+         True)
+
+
+@njit(inline="always")
+def _rope_gradient_gemms(ops, tile, n2, work, dqr_ptr):
+    """dK_rope^T += Q_rope^T dS (fp32 ``[Dr, BK]`` work.dkrt) and dQ_rope += dS K_rope (fp32 at dqr_ptr, row
+    stride Dr), from the tile's rounded dS."""
+    qr, kr = ops.qr, ops.kr
+    b, n, i0, rows, j0, cols = tile
+    dr = qr.shape[3]
+    nr = n2 if kr.shape[1] > 1 else 0
+    gemm(qr, TRANS, NO_TRANS, dr, cols, rows, _matrix(qr, b, n, i0), _scratch(work.dst), _scratch(work.dkrt), True)
+    gemm(qr, NO_TRANS, NO_TRANS, rows, dr, cols, _scratch(work.dst), _matrix(kr, b, nr, j0), (dqr_ptr, dr), True)
 
 
 @njit(**_KERNEL)
@@ -693,6 +736,8 @@ def _score_gemms(ops, tile, n2, on_brgemm, work):
     else:
         gemm(q, NO_TRANS, TRANS, rows, cols, q.shape[3], qp, _matrix(k, b, n2, j0), _scratch(work.s), False)
         gemm(q, NO_TRANS, TRANS, rows, cols, v.shape[3], dyp, _matrix(v, b, n2, j0), _scratch(work.dp), False)
+    if ops.rope:
+        _add_rope_scores(ops, tile, n2, work.s)
 
 
 @njit(inline="always")
@@ -735,6 +780,7 @@ def _backward_key_block(ops, plan, grads, work, b, n2, j0, chunk):
     cols = min(BK, Skv - j0)
     work.dkt[:] = 0.0
     work.dvt[:] = 0.0
+    work.dkrt[:] = 0.0
     packed = ops.packed and (cols % 2 == 0 or not _pairs(q))
     if packed:
         _pack_key_block(k, ops.v, b, n2, j0, cols, work)
@@ -751,12 +797,17 @@ def _backward_key_block(ops, plan, grads, work, b, n2, j0, chunk):
             _backward_tile(work, tile, general, plan, ops, grads.dpse)
             dq_ptr = dq_acc.ctypes.data + (((chunk * dq_acc.shape[1] + b) * N1 + n) * Sq + i0) * D * 4
             _gradient_gemms(ops, tile, n2, on_brgemm, work, dq_ptr)
+            if ops.rope:
+                dr = ops.qr.shape[3]
+                dqr_ptr = grads.dqr_acc.ctypes.data + (((chunk * dq_acc.shape[1] + b) * N1 + n) * Sq + i0) * dr * 4
+                _rope_gradient_gemms(ops, tile, n2, work, dqr_ptr)
 
 
 @njit(inline="always")
-def _backward_scratch(q, d, dv, packed, pack_like):
-    """A backward task's :class:`BackwardScratch`; the packed operands have ``pack_like``'s element type (uint32
-    VNNI pairs for bfloat16, else float32) and are 1-element placeholders where unused."""
+def _backward_scratch(q, d, dv, dr, packed, pack_like):
+    """A backward task's :class:`BackwardScratch` (``dr``: the rope dim, 0 without rope); the packed operands have
+    ``pack_like``'s element type (uint32 VNNI pairs for bfloat16, else float32) and are 1-element placeholders where
+    unused."""
     per = pack_like.itemsize // q.itemsize  # input elements per packed element (2: VNNI pairs)
     block = max(d, dv) * _BK // per if packed else 1
     pairs = block if per == 2 else 1  # K rows and the Pd / dS tiles are packed for VNNI pairs only
@@ -765,7 +816,8 @@ def _backward_scratch(q, d, dv, packed, pack_like):
     return BackwardScratch(aligned_empty((_BQ, _BK), np.float32), aligned_empty((_BQ, _BK), np.float32),
                            aligned_empty((_BQ, _BK), q.dtype), aligned_empty((_BQ, _BK), q.dtype),
                            aligned_empty((d, _BK), np.float32), aligned_empty((dv, _BK), np.float32),
-                           aligned_empty((block,), like), aligned_empty((block,), like),
+                           aligned_empty((max(dr, 1), _BK), np.float32), aligned_empty((block,), like),
+                           aligned_empty((block,), like),
                            aligned_empty((pairs,), like), aligned_empty((tile,), like), aligned_empty((tile,), like))
 
 
@@ -777,7 +829,7 @@ def _backward_kernel(ops, plan, grads, pack_like, batch_tasks):
     operands' element type."""
     B, N2, Skv, D = ops.k.shape
     Dv = ops.v.shape[3]
-    dk, dv = grads.dk, grads.dv
+    dk, dv, dk_rope = grads.dk, grads.dv, grads.dkr
     chunks = grads.dq_acc.shape[0]
     nkb = (Skv + _BK - 1) // _BK
     scale = plan.scale
@@ -785,8 +837,8 @@ def _backward_kernel(ops, plan, grads, pack_like, batch_tasks):
         bt = task // (N2 * chunks)
         n2 = (task // chunks) % N2
         chunk = task % chunks
-        work = _backward_scratch(ops.q, D, Dv, ops.packed, pack_like)
-        dkt, dvt = work.dkt, work.dvt
+        work = _backward_scratch(ops.q, D, Dv, ops.qr.shape[3] if ops.rope else 0, ops.packed, pack_like)
+        dkt, dvt, dkrt = work.dkt, work.dvt, work.dkrt
         for kb in range(chunk * nkb // chunks, (chunk + 1) * nkb // chunks):
             j0 = kb * _BK
             for b in range(bt, B, batch_tasks):
@@ -797,6 +849,10 @@ def _backward_kernel(ops, plan, grads, pack_like, batch_tasks):
                         dkr[d] = narrow(dkt[d, r] * scale, dk)
                     for d in range(Dv):
                         dvr[d] = narrow(dvt[d, r], dv)
+                    if ops.rope:
+                        dkrr = _row(dk_rope, b, n2, j0 + r)
+                        for d in range(dkrt.shape[0]):
+                            dkrr[d] = dkrt[d, r] * scale
         if ops.packed:
             brgemm_release()
 
@@ -868,12 +924,14 @@ def _kernel_plan(plan: AttentionPlan, q: torch.Tensor, skv: int, dpse: bool = Fa
     drop = (plan.drop_mask.reshape(-1).contiguous().numpy() if plan.has_dropout
             else np.zeros(1, np.uint8))
     scale, inv_keep = np.array([plan.scale, 1.0 / np.float32(plan.keep_prob)], np.float32)
+    sink = np.zeros(1, np.float32) if plan.sink is None else plan.sink.detach().float().contiguous().numpy()
     return KernelPlan(mask, pse, prefix, drop, pre=int(plan.pre_tokens), nxt=int(plan.next_tokens),
                       has_mask=plan.atten_mask is not None, pse_kind=_pse_kind(plan),
                       pse_first=bool(plan.pse_type == 1), shift=int(plan.kv_start_idx - plan.q_start_idx),
                       dropout=bool(plan.has_dropout), dpse=bool(dpse), invalid_rows=bool(plan.invalid_rows),
                       n1=int(n1), sq=int(sq), skv=int(skv), scale=scale, inv_keep=inv_keep,
-                      probs_like=kernel_view(q.new_zeros(1) if plan.round_probs else q.new_zeros(1, dtype=torch.float32)))
+                      probs_like=kernel_view(q.new_zeros(1) if plan.round_probs else q.new_zeros(1, dtype=torch.float32)),
+                      sink=sink, has_sink=plan.sink is not None)
 
 
 def _use_brgemm(q: torch.Tensor, d: int, dv: int) -> bool:
@@ -887,24 +945,37 @@ def _pack_like(q: torch.Tensor) -> np.ndarray:
     return np.empty(1, np.uint32 if q.dtype == torch.bfloat16 else np.float32)
 
 
-def _forward_operands(q: torch.Tensor, qv: np.ndarray, kv: np.ndarray, vv: np.ndarray) -> ForwardOperands:
+def _rope_views(q: torch.Tensor, rope: tuple | None, in_place: bool) -> tuple[np.ndarray, np.ndarray, bool]:
+    """``(q_rope, k_rope, rope)`` kernel views of the rope parts (BNSD), or placeholders of q's type."""
+    if rope is None:
+        placeholder = kernel_view(q.new_zeros(1, 1, 1, 1))
+        return placeholder, placeholder, False
+    return (*(_view(t, in_place) for t in rope), True)
+
+
+def _forward_operands(q: torch.Tensor, qv: np.ndarray, kv: np.ndarray, vv: np.ndarray, rope: tuple
+                      ) -> ForwardOperands:
     """The forward's operands: K and V packed for the brgemm (:func:`_use_brgemm`; float32 needs K^T only, V is
-    read in place), else placeholders."""
+    read in place), else placeholders; ``rope``: :func:`_rope_views`."""
     b, n2, skv, d = kv.shape
     like = _pack_like(q)
     placeholder = np.zeros((1, 1, 1, 1), like.dtype)
     if not _use_brgemm(q, d, vv.shape[3]):
-        return ForwardOperands(qv, kv, vv, placeholder, placeholder, False)
+        return ForwardOperands(qv, kv, vv, placeholder, placeholder, False, *rope)
     nkb = -(-skv // _FWD_BK)
     per = like.itemsize // q.element_size()  # input elements per packed element (2: VNNI pairs)
     kt = np.empty((b, n2, nkb, _FWD_BK * d // per), like.dtype)
     vt = np.empty((b, n2, nkb, _FWD_BK * vv.shape[3] // per), like.dtype) if per == 2 else placeholder
     _pack_kv_kernel(kv, vv, kt, vt)
-    return ForwardOperands(qv, kv, vv, kt, vt, True)
+    return ForwardOperands(qv, kv, vv, kt, vt, True, *rope)
 
 
-def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=None, softmax_sum=None):
+def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=None, softmax_sum=None,
+                            rope=None):
     """Returns ``(out [B,N1,Sq,Dv] input dtype, softmax_max [B,N1,Sq] fp32, softmax_sum [B,N1,Sq] fp32)``.
+
+    ``rope = (q_rope [B,N1,Sq,Dr], k_rope [B,N2|1,Skv,Dr])``: the scores are ``[q, q_rope] [k, k_rope]^T``.
+    ``plan.sink``: every row's softmax has one more logit ``sink[n]`` without a value (max and sum include it).
 
     out / softmax_max / softmax_sum: optional preallocated outputs of those shapes and dtypes (any strides,
     e.g. views into TND tensors), written in place and returned; q, k, v are then read in place too (any
@@ -919,7 +990,8 @@ def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=
     ssum = torch.empty(B, N1, Sq, dtype=torch.float32) if softmax_sum is None else softmax_sum
     kplan = _kernel_plan(plan, q, k.shape[2])
     q, k, v = _widened(plan, q, k, v)
-    operands = _forward_operands(q, *(_view(t, in_place) for t in (q, k, v)))
+    rope = rope and _widened(plan, *rope)
+    operands = _forward_operands(q, *(_view(t, in_place) for t in (q, k, v)), _rope_views(q, rope, in_place))
     _dynamic(_forward_kernel, operands, kplan, kernel_view(out), smax.numpy(), ssum.numpy())
     return out, smax, ssum
 
@@ -963,9 +1035,11 @@ def _dpse_split(plan: AttentionPlan, b: int) -> tuple[int, bool]:
 
 
 def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: AttentionPlan,
-                             with_dpse: bool = False, dq=None, dk=None, dv=None):
-    """Returns ``(dq, dk, dv, dpse)``: dq/dk/dv shaped like q, k, v in the input dtype (module docstring for
-    the math); dpse shaped like ``plan.pse`` in its dtype when ``with_dpse`` (pse_type 0/1), else None.
+                             with_dpse: bool = False, dq=None, dk=None, dv=None, rope=None, rope_into=None):
+    """Returns ``(dq, dk, dv, dpse, dq_rope, dk_rope)``: dq/dk/dv shaped like q, k, v in the input dtype (module
+    docstring for the math); dpse shaped like ``plan.pse`` in its dtype when ``with_dpse`` (pse_type 0/1), else
+    None; with ``rope = (q_rope, k_rope)`` (as in :func:`flash_attention_forward`) their gradients (a single
+    k_rope head gets the sum over all heads), else None. ``rope_into``: preallocated (dq_rope, dk_rope).
 
     softmax_max / softmax_sum ``[B, N1, Sq]`` fp32 and out (attentionIn) are used as given (any strides); out is
     not read in the golden order (``plan.widen_gemm`` without ``plan.round_probs``), which recomputes it in float32.
@@ -981,8 +1055,9 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
                   for t, like in ((dq, q), (dk, k), (dv, v)))
     kplan = _kernel_plan(plan, q, Skv, want_dpse)
     q, k, v, dy = _widened(plan, q, k, v, dy)
+    rope_operands = rope and _widened(plan, *rope)
     if plan.widen_gemm and not plan.round_probs:  # D = rowsum(P dP) = rowsum(dy * out) of the unrounded output
-        out = flash_attention_forward(q, k, v, plan)[0]
+        out = flash_attention_forward(q, k, v, plan, rope=rope_operands)[0]
     qv, kv, vv, dyv = (_view(t, in_place) for t in (q, k, v, dy))
     dr = np.empty((B, N1, Sq), np.float32)
     _row_dot_kernel(dyv, _view(out, in_place), dr)
@@ -991,10 +1066,28 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     dpse_out, dpse = _dpse_target(plan, B, Sq) if want_dpse else (None, np.zeros((1, 1, 1, 1), np.float32))
     smax, ssum = (_view(t.detach().float(), in_place) for t in (softmax_max, softmax_sum))
     packed = _use_brgemm(q, D, v.shape[3])
-    operands = BackwardOperands(qv, kv, vv, dyv, *_transposed_operands(q, dy, packed), smax, ssum, dr, packed)
-    grads = Gradients(dq_acc, kernel_view(dk), kernel_view(dv), dpse)
+    qr, kr, has_rope = _rope_views(q, rope_operands, in_place)
+    operands = BackwardOperands(qv, kv, vv, dyv, *_transposed_operands(q, dy, packed), smax, ssum, dr, packed,
+                                qr, kr, has_rope)
+    rope_dim = qr.shape[3] if has_rope else 1
+    dqr_acc = np.zeros((chunks, B, N1, Sq, rope_dim) if has_rope else (1, 1, 1, 1, 1), np.float32)
+    dkr = np.empty((B, N2, Skv, rope_dim) if has_rope else (1, 1, 1, 1), np.float32)
+    grads = Gradients(dq_acc, kernel_view(dk), kernel_view(dv), dpse, dqr_acc, dkr)
     _dynamic(_backward_kernel, operands, kplan, grads, _pack_like(q), batch_tasks)
     _finish_dq_kernel(dq_acc, kplan.scale, kernel_view(dq))
     if want_dpse and dpse_out is None:
         dpse_out = torch.from_numpy(dpse).to(plan.pse.dtype)
-    return dq, dk, dv, dpse_out
+    rope_grads = _rope_gradients(rope, rope_into, dqr_acc, dkr, kplan.scale) if has_rope else (None, None)
+    return dq, dk, dv, dpse_out, *rope_grads
+
+
+def _rope_gradients(rope: tuple, into: tuple | None, dqr_acc: np.ndarray, dkr: np.ndarray, scale) -> tuple:
+    """(dq_rope, dk_rope) from the kernel's fp32 dQ_rope slices and per-kv-head dK_rope (summed over the heads for a
+    single shared k_rope head), rounded once to the input dtype (into ``into`` when given)."""
+    q_rope, k_rope = rope
+    dqr, dkr_out = into or (torch.empty(q_rope.shape, dtype=q_rope.dtype), torch.empty(k_rope.shape,
+                                                                                      dtype=k_rope.dtype))
+    _finish_dq_kernel(dqr_acc, scale, kernel_view(_unit_rows(dqr)))
+    dkr_t = torch.from_numpy(dkr)
+    dkr_out.copy_(dkr_t.sum(1, keepdim=True) if k_rope.shape[1] == 1 and dkr_t.shape[1] > 1 else dkr_t)
+    return dqr, dkr_out

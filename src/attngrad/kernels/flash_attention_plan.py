@@ -52,6 +52,8 @@ class AttentionPlan:
       input dtype, so P and dS are rounded whatever ``round_probs`` says. The golden precision mode is
       ``widen_gemm`` without ``round_probs``; the backward then takes ``D = rowsum(P * dP)`` from the unrounded
       float32 output instead of the given attention_in.
+    * ``sink``: float32 ``[N1]`` or None: head n's softmax has one more logit ``sink[n]`` that carries no value
+      (its max and sum include it, so a row's P sums to less than 1; a fully masked row attends to the sink only).
     """
 
     scale: float
@@ -69,6 +71,7 @@ class AttentionPlan:
     invalid_rows: bool = False
     widen_gemm: bool = False
     round_probs: bool = True
+    sink: torch.Tensor | None = None
 
     @property
     def has_band(self) -> bool:

@@ -9,8 +9,9 @@ dsink)`` (v1) and ``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)`` (v2), absent o
 Dropout (keep_prob < 1) without an explicit ``dropout_mask``: the forward draws the keep mask from
 ``(seed, offset)`` with attngrad's documented counter-based generator
 (:func:`attngrad.kernels.dropout.generate_drop_mask`) and returns ``(seed, offset, numels)``; the grads
-regenerate the very same mask from them, as torch_npu does. Not supported yet (AclnnError 161002): ``sink``,
-``query_rope`` / ``key_rope``.
+regenerate the very same mask from them, as torch_npu does. ``sink`` (float32 ``[N1]``) and ``query_rope`` /
+``key_rope`` (MLA's rope parts) run on every layout and dtype (see :mod:`attngrad.ops.flash_attention_sink_rope`);
+the forwards are differentiable w.r.t. them.
 """
 
 from __future__ import annotations
@@ -23,17 +24,6 @@ from ..kernels.dropout import generate_drop_mask
 from ..kernels.flash_attention_plan import UNBOUNDED_TOKENS
 from ..ops.flash_attention import score, score_grad
 from ..ops.flash_attention_core import BATCH_DIM, SEQ_DIM, split_kwargs
-from ..validation import invalid
-
-_FORWARD = "npu_fusion_attention"
-_GRAD = "npu_fusion_attention_grad"
-
-
-def _reject_unsupported(op: str, **optional) -> None:
-    """Sink and rope are later issues: refuse them rather than ignore them."""
-    for name, value in optional.items():
-        if value is not None:
-            raise invalid(op, name, "is not supported yet", type(value).__name__)
 
 
 def _empty_like(t: torch.Tensor) -> torch.Tensor:
@@ -74,13 +64,12 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None, pa
                          seed=0, offset=0):
     """torch_npu ``npu_fusion_attention`` -> ``(attention_out, softmax_max, softmax_sum, softmax_out, seed,
     offset, numels)``: :func:`npu_fusion_attention_v2` with pse_type 1."""
-    _reject_unsupported(_FORWARD, sink=sink)
     return npu_fusion_attention_v2(
         query, key, value, head_num, input_layout, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask,
         scale=scale, keep_prob=keep_prob, pre_tokens=pre_tockens, next_tokens=next_tockens,
         inner_precise=inner_precise, prefix=prefix, actual_seq_qlen=actual_seq_qlen,
         actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode, softmax_layout=softmax_layout,
-        dropout_mask=dropout_mask, seed=seed, offset=offset)
+        sink=sink, dropout_mask=dropout_mask, seed=seed, offset=offset)
 
 
 def npu_fusion_attention_v2(query, key, value, head_num, input_layout, *, pse=None, padding_mask=None,
@@ -89,8 +78,7 @@ def npu_fusion_attention_v2(query, key, value, head_num, input_layout, *, pse=No
                             actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
                             sync=False, pse_type=1, q_start_idx=None, kv_start_idx=None, softmax_layout="",
                             sink=None, dropout_mask=None, seed=0, offset=0):
-    """torch_npu ``npu_fusion_attention_v2``: v1 plus pse_type, q/kv_start_idx (and rope, not supported)."""
-    _reject_unsupported(_FORWARD + "_v2", query_rope=query_rope, key_rope=key_rope, sink=sink)
+    """torch_npu ``npu_fusion_attention_v2``: v1 plus pse_type, q/kv_start_idx, query_rope / key_rope."""
     numels = _numels(query, key, head_num, input_layout, actual_seq_qlen, actual_seq_kvlen)
     drop_mask = _drop_mask(keep_prob, dropout_mask, seed, offset, numels)
     out, softmax_max, softmax_sum = score(query, key, value, *split_kwargs(
@@ -98,7 +86,7 @@ def npu_fusion_attention_v2(query, key, value, head_num, input_layout, *, pse=No
         prefix=prefix, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, q_start_idx=q_start_idx,
         kv_start_idx=kv_start_idx, scale_value=scale, keep_prob=keep_prob, pre_tokens=pre_tokens,
         next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type,
-        softmax_layout=softmax_layout))
+        softmax_layout=softmax_layout, query_rope=query_rope, key_rope=key_rope, sink=sink))
     return out, softmax_max, softmax_sum, _empty_like(query), seed, offset, numels
 
 
@@ -110,14 +98,13 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
                               sync=False, softmax_layout="", sink=None):
     """torch_npu ``npu_fusion_attention_grad`` -> ``(dq, dk, dv, dpse, dsink)``:
     :func:`npu_fusion_attention_grad_v2` with pse_type 1."""
-    _reject_unsupported(_GRAD, sink=sink)
     dq, dk, dv, dpse, _, _, dsink = npu_fusion_attention_grad_v2(
         query, key, value, dy, head_num, input_layout, pse=pse, padding_mask=padding_mask, atten_mask=atten_mask,
         softmax_max=softmax_max, softmax_sum=softmax_sum, softmax_in=softmax_in, attention_in=attention_in,
         scale_value=scale_value, keep_prob=keep_prob, pre_tokens=pre_tockens, next_tokens=next_tockens,
         inner_precise=inner_precise, seed=seed, offset=offset, numels=numels, prefix=prefix,
         actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode,
-        softmax_layout=softmax_layout)
+        softmax_layout=softmax_layout, sink=sink)
     return dq, dk, dv, dpse, dsink
 
 
@@ -130,15 +117,14 @@ def npu_fusion_attention_grad_v2(query, key, value, dy, head_num, input_layout, 
                                  kv_start_idx=None, softmax_layout="", sink=None):
     """torch_npu ``npu_fusion_attention_grad_v2`` -> ``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)``; the drop
     mask is regenerated from (seed, offset, numels) (numels 0: from the shapes)."""
-    _reject_unsupported(_GRAD + "_v2", query_rope=query_rope, key_rope=key_rope, sink=sink)
     numels = numels or _numels(query, key, head_num, input_layout, actual_seq_qlen, actual_seq_kvlen)
     drop_mask = _drop_mask(keep_prob, None, seed, offset, numels)
-    dq, dk, dv, dpse = score_grad(query, key, value, dy, *split_kwargs(
+    dq, dk, dv, dpse, *extras = score_grad(query, key, value, dy, *split_kwargs(
         head_num, input_layout, pse=pse, drop_mask=drop_mask, padding_mask=padding_mask, atten_mask=atten_mask,
         softmax_max=softmax_max, softmax_sum=softmax_sum, softmax_in=softmax_in, attention_in=attention_in,
         prefix=prefix, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, q_start_idx=q_start_idx,
         kv_start_idx=kv_start_idx, scale_value=scale_value, keep_prob=keep_prob, pre_tokens=pre_tokens,
         next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type,
-        softmax_layout=softmax_layout))
-    empty = _empty_like(query)
-    return dq, dk, dv, _empty_like(query) if dpse is None else dpse, empty, empty, empty
+        softmax_layout=softmax_layout, query_rope=query_rope, key_rope=key_rope, sink=sink))
+    dq_rope, dk_rope, dsink = extras or (None, None, None)
+    return (dq, dk, dv, *(_empty_like(query) if g is None else g for g in (dpse, dq_rope, dk_rope, dsink)))

@@ -34,9 +34,10 @@ from . import flash_attention_varlen as varlen
 from .flash_attention_checks import (NO_OUTPUTS, absent, check_cann_sizes, check_dy_and_attention_in,
                                      check_forward_outputs, check_grad_outputs, check_head_num, check_input_layout,
                                      check_tensors, require_forward_tensors, require_grad_tensors, saved_stats)
-from .flash_attention_core import (BATCH_DIM, STATS_COPIES, AttentionAttrs, AttentionTensors, Geometry, Problem,
-                                   backward_kernel, forward_kernel, from_bnsd, geometry,
+from .flash_attention_core import (BATCH_DIM, STATS_COPIES, AttentionAttrs, AttentionTensors, Geometry, Grads,
+                                   Problem, backward_kernel, forward_kernel, from_bnsd, geometry,
                                    resolve_plan, split_kwargs, stats8, to_bnsd)
+from .flash_attention_sink_rope import check_rope
 
 FORWARD = "FlashAttentionScore"
 BACKWARD = "FlashAttentionScoreGrad"
@@ -49,11 +50,19 @@ def _layout_shape(geo: Geometry, heads: int, seq: int, dim: int) -> tuple[int, .
             "BSH": (geo.b, seq, heads * dim), "SBH": (seq, geo.b, heads * dim)}[geo.layout]
 
 
-def _problem(geo: Geometry, plan: AttentionPlan, query, key, value, dy=None) -> Problem:
-    """The BNSD problem over zero-copy views of the inputs given in ``geo.layout``."""
+def _problem(geo: Geometry, plan: AttentionPlan, query, key, value, dy=None, rope=None) -> Problem:
+    """The BNSD problem over zero-copy views of the inputs given in ``geo.layout`` (``rope``: the checked
+    ``(query_rope, key_rope, key_rope heads)``)."""
     layout = geo.layout
-    return Problem(geo, plan, to_bnsd(query, layout, geo.n1), to_bnsd(key, layout, geo.n2),
-                   to_bnsd(value, layout, geo.n2), None if dy is None else to_bnsd(dy, layout, geo.n1))
+    p = Problem(geo, plan, to_bnsd(query, layout, geo.n1), to_bnsd(key, layout, geo.n2),
+                to_bnsd(value, layout, geo.n2), None if dy is None else to_bnsd(dy, layout, geo.n1))
+    if rope is not None:
+        p.q_rope, p.k_rope = to_bnsd(rope[0], layout, geo.n1), to_bnsd(rope[1], layout, rope[2])
+    return p
+
+
+def _rope(op: str, geo: Geometry, query, key, tensors: AttentionTensors):
+    return check_rope(op, geo.layout, geo.n1, geo.n2, query, key, tensors.query_rope, tensors.key_rope)
 
 
 # ------------------------------------------------------------------------------------------- checks
@@ -92,11 +101,12 @@ def check_forward(query, key, value, attrs: AttentionAttrs, tensors: AttentionTe
     op = FORWARD
     query, key, value = require_forward_tensors(op, query, key, value, outputs, cann_limits)
     geo = _check_inputs(op, attrs, (query, key, value), cann_limits=cann_limits)
+    rope = _rope(op, geo, query, key, tensors)
     if cann_limits:
         check_forward_outputs(op, outputs, geo.stats_shape, _layout_shape(geo, geo.n1, geo.sq, geo.dv),
                               query.dtype)
     plan = resolve_plan(op, geo, query.dtype, attrs, tensors)
-    return _problem(geo, plan, query, key, value)
+    return _problem(geo, plan, query, key, value, rope=rope)
 
 
 def check_backward(query, key, value, dy, attrs: AttentionAttrs, tensors: AttentionTensors = AttentionTensors(),
@@ -113,9 +123,10 @@ def check_backward(query, key, value, dy, attrs: AttentionAttrs, tensors: Attent
         return None
     query, key, value, dy = inputs
     geo = _check_inputs(op, attrs, inputs, tensors.attention_in, cann_limits)
+    rope = _rope(op, geo, query, key, tensors)
     if cann_limits:
         check_grad_outputs(op, outputs, query, key, value)
-    problem = _problem(geo, resolve_plan(op, geo, query.dtype, attrs, tensors), query, key, value, dy)
+    problem = _problem(geo, resolve_plan(op, geo, query.dtype, attrs, tensors), query, key, value, dy, rope)
     if given:
         problem.softmax_max, problem.softmax_sum = saved_stats(op, tensors.softmax_max, tensors.softmax_sum,
                                                                geo.stats_shape, geo.stats_rule)
@@ -130,10 +141,12 @@ def run_forward(p: Problem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return from_bnsd(out, p.geo.layout), stats8(m), stats8(s)
 
 
-def run_backward(p: Problem, with_dpse: bool = False) -> tuple:
-    """Grad in the user's layout: ``(dq, dk, dv, dpse)`` (dpse as in :func:`backward_kernel`)."""
-    *grads, dpse = backward_kernel(p, with_dpse)
-    return (*(from_bnsd(g, p.geo.layout) for g in grads), dpse)
+def run_backward(p: Problem, with_dpse: bool = False) -> Grads:
+    """Grad in the user's layout (:class:`Grads`, as from :func:`backward_kernel`)."""
+    g = backward_kernel(p, with_dpse)
+    dq, dk, dv, dq_rope, dk_rope = (None if t is None else from_bnsd(t, p.geo.layout)
+                                    for t in (g.dq, g.dk, g.dv, g.dq_rope, g.dk_rope))
+    return Grads(dq, dk, dv, g.dpse, dq_rope, dk_rope, g.dsink)
 
 
 # ------------------------------------------------------------------------------- custom ops (torch.library)
@@ -159,19 +172,25 @@ def _stats_like(query: torch.Tensor, shape) -> torch.Tensor:
     return query.new_empty(shape, dtype=torch.float32)
 
 
+_EXTRAS = ("query_rope", "key_rope", "sink")   # the optional MLA rope parts and attention sink (both ops)
+
+
 @torch.library.custom_op("attngrad::flash_attention_score", mutates_args=(), schema=(
     "(Tensor query, Tensor key, Tensor value, Tensor? pse, Tensor? drop_mask, Tensor? atten_mask, "
+    "Tensor? query_rope, Tensor? key_rope, Tensor? sink, "
     f"Tensor? actual_seq_qlen, Tensor? actual_seq_kvlen, {_ATTRIBUTES}) -> (Tensor, Tensor, Tensor)"))
-def _score_op(query, key, value, pse, drop_mask, atten_mask, seq_q, seq_kv, *attributes):
-    attrs, tensors = _parsed(attributes, (seq_q, seq_kv), pse=pse, drop_mask=drop_mask, atten_mask=atten_mask)
+def _score_op(query, key, value, pse, drop_mask, atten_mask, q_rope, k_rope, sink, seq_q, seq_kv, *attributes):
+    attrs, tensors = _parsed(attributes, (seq_q, seq_kv), pse=pse, drop_mask=drop_mask, atten_mask=atten_mask,
+                             query_rope=q_rope, key_rope=k_rope, sink=sink)
     if attrs.input_layout == "TND":
         return varlen.run_forward(varlen.check_forward(query, key, value, attrs, tensors))
     return run_forward(check_forward(query, key, value, attrs, tensors))
 
 
 @_score_op.register_fake
-def _score_fake(query, key, value, pse, drop_mask, atten_mask, seq_q, seq_kv, *attributes):
-    attrs, tensors = _parsed(attributes, (None, None), pse=pse, drop_mask=drop_mask, atten_mask=atten_mask)
+def _score_fake(query, key, value, pse, drop_mask, atten_mask, q_rope, k_rope, sink, seq_q, seq_kv, *attributes):
+    attrs, tensors = _parsed(attributes, (None, None), pse=pse, drop_mask=drop_mask, atten_mask=atten_mask,
+                             query_rope=q_rope, key_rope=k_rope, sink=sink)
     if attrs.input_layout == "TND":
         t1, n1, dv = varlen.check_without_lengths(query, key, value, None, attrs, tensors, (seq_q, seq_kv))
         return query.new_empty(t1, n1, dv), _stats_like(query, (t1, n1, STATS_COPIES)), \
@@ -183,34 +202,39 @@ def _score_fake(query, key, value, pse, drop_mask, atten_mask, seq_q, seq_kv, *a
 
 @torch.library.custom_op("attngrad::flash_attention_score_grad", mutates_args=(), schema=(
     "(Tensor query, Tensor key, Tensor value, Tensor dy, Tensor? pse, Tensor? drop_mask, Tensor? atten_mask, "
+    "Tensor? query_rope, Tensor? key_rope, Tensor? sink, "
     "Tensor? softmax_max, Tensor? softmax_sum, Tensor? attention_in, Tensor? actual_seq_qlen, "
-    f"Tensor? actual_seq_kvlen, {_ATTRIBUTES}, bool with_dpse) -> (Tensor, Tensor, Tensor, Tensor)"))
-def _score_grad_op(query, key, value, dy, pse, drop_mask, atten_mask, softmax_max, softmax_sum, attention_in,
-                   seq_q, seq_kv, *attributes_and_flag):
+    f"Tensor? actual_seq_kvlen, {_ATTRIBUTES}, bool with_dpse) "
+    "-> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
+def _score_grad_op(query, key, value, dy, pse, drop_mask, atten_mask, q_rope, k_rope, sink, softmax_max, softmax_sum,
+                   attention_in, seq_q, seq_kv, *attributes_and_flag):
+    """``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)``; an absent result is an empty tensor."""
     *attributes, with_dpse = attributes_and_flag
     attrs, tensors = _parsed(attributes, (seq_q, seq_kv), pse=pse, drop_mask=drop_mask, atten_mask=atten_mask,
-                             softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=attention_in)
+                             query_rope=q_rope, key_rope=k_rope, sink=sink, softmax_max=softmax_max,
+                             softmax_sum=softmax_sum, attention_in=attention_in)
     with_dpse = with_dpse and _float_pse(attrs, tensors)
     if attrs.input_layout == "TND":
-        dq, dk, dv, dpse = varlen.run_backward(varlen.check_backward(query, key, value, dy, attrs, tensors),
-                                               with_dpse)
+        grads = varlen.run_backward(varlen.check_backward(query, key, value, dy, attrs, tensors), with_dpse)
     else:
-        dq, dk, dv, dpse = run_backward(check_backward(query, key, value, dy, attrs, tensors), with_dpse)
-    return dq, dk, dv, query.new_empty(0) if dpse is None else dpse
+        grads = run_backward(check_backward(query, key, value, dy, attrs, tensors), with_dpse)
+    return tuple(query.new_empty(0) if g is None else g for g in grads)
 
 
 @_score_grad_op.register_fake
-def _score_grad_fake(query, key, value, dy, pse, drop_mask, atten_mask, softmax_max, softmax_sum, attention_in,
-                     seq_q, seq_kv, *attributes_and_flag):
+def _score_grad_fake(query, key, value, dy, pse, drop_mask, atten_mask, q_rope, k_rope, sink, softmax_max,
+                     softmax_sum, attention_in, seq_q, seq_kv, *attributes_and_flag):
     *attributes, with_dpse = attributes_and_flag
     attrs, tensors = _parsed(attributes, (None, None), pse=pse, drop_mask=drop_mask, atten_mask=atten_mask,
-                             softmax_max=softmax_max, softmax_sum=softmax_sum, attention_in=attention_in)
+                             query_rope=q_rope, key_rope=k_rope, sink=sink, softmax_max=softmax_max,
+                             softmax_sum=softmax_sum, attention_in=attention_in)
     if attrs.input_layout == "TND":
         varlen.check_without_lengths(query, key, value, dy, attrs, tensors, (seq_q, seq_kv))
     else:
         check_backward(query, key, value, dy, attrs, tensors)
     dpse = pse.new_empty(pse.shape) if with_dpse and _float_pse(attrs, tensors) else query.new_empty(0)
-    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dpse
+    extras = tuple(query.new_empty(0) if absent(t) else t.new_empty(t.shape) for t in (q_rope, k_rope, sink))
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape), dpse, *extras
 
 
 def _float_pse(attrs: AttentionAttrs, tensors: AttentionTensors) -> bool:
@@ -219,20 +243,22 @@ def _float_pse(attrs: AttentionAttrs, tensors: AttentionTensors) -> bool:
 
 
 def _save_score(ctx, inputs, output):
-    query, key, value, pse, drop_mask, atten_mask, seq_q, seq_kv, *attributes = inputs
-    ctx.save_for_backward(query, key, value, pse, drop_mask, atten_mask, seq_q, seq_kv, *output)
+    ctx.save_for_backward(*inputs[:11], *output)
     ctx.mark_non_differentiable(*output[1:])  # softmax_max / softmax_sum
-    ctx.attributes = attributes
+    ctx.attributes = inputs[11:]
 
 
 def _differentiate_score(ctx, d_out, _d_max, _d_sum):
-    """dq, dk, dv (and dpse for a pseType 0/1 pse) by the grad op on the saved output and statistics (the same
-    drop mask); d_out is cast to query's dtype."""
-    query, key, value, pse, drop_mask, atten_mask, seq_q, seq_kv, out, smax, ssum = ctx.saved_tensors
+    """dq, dk, dv (and dpse for a pseType 0/1 pse; the rope grads and dsink when given) by the grad op on the
+    saved output and statistics (the same drop mask); d_out is cast to query's dtype."""
+    query, key, value, pse, drop_mask, atten_mask, q_rope, k_rope, sink, seq_q, seq_kv, out, smax, ssum = \
+        ctx.saved_tensors
     with_dpse = ctx.needs_input_grad[3] and ctx.attributes[_ATTRIBUTE_NAMES.index("pse_type")] in (0, 1)
-    dq, dk, dv, dpse = _score_grad_op(query, key, value, d_out.to(query.dtype), pse, drop_mask, atten_mask, smax,
-                                      ssum, out, seq_q, seq_kv, *ctx.attributes, with_dpse)
-    return dq, dk, dv, dpse if with_dpse else None, *(None,) * (4 + len(ctx.attributes))
+    dq, dk, dv, dpse, dq_rope, dk_rope, dsink = _score_grad_op(
+        query, key, value, d_out.to(query.dtype), pse, drop_mask, atten_mask, q_rope, k_rope, sink, smax, ssum, out,
+        seq_q, seq_kv, *ctx.attributes, with_dpse)
+    extras = tuple(None if absent(t) else g for t, g in ((q_rope, dq_rope), (k_rope, dk_rope), (sink, dsink)))
+    return dq, dk, dv, dpse if with_dpse else None, None, None, *extras, *(None,) * (2 + len(ctx.attributes))
 
 
 _score_op.register_autograd(_differentiate_score, setup_context=_save_score)
@@ -279,7 +305,17 @@ def score_op_args(query, key, value, attrs: AttentionAttrs, tensors: AttentionTe
         (varlen.check_forward if attrs.input_layout == "TND" else check_forward)(query, key, value, attrs, tensors)
 
     scalars, seq, tensors = _op_arguments(attrs, tensors, (query, key, value), check)
-    return (query, key, value, tensors.pse, tensors.drop_mask, tensors.atten_mask, *seq, *scalars)
+    return (query, key, value, tensors.pse, tensors.drop_mask, tensors.atten_mask, *_extras(tensors), *seq,
+            *scalars)
+
+
+def _extras(tensors: AttentionTensors) -> tuple:
+    return tuple(getattr(tensors, name) for name in _EXTRAS)
+
+
+def _has_extras(tensors: AttentionTensors) -> bool:
+    """True when query_rope, key_rope or sink is given: the grad then returns their gradients too."""
+    return not all(absent(t) for t in _extras(tensors))
 
 
 def score_grad_op_args(query, key, value, dy, attrs: AttentionAttrs,
@@ -290,8 +326,8 @@ def score_grad_op_args(query, key, value, dy, attrs: AttentionAttrs,
         contract(query, key, value, dy, attrs, tensors)
 
     scalars, seq, tensors = _op_arguments(attrs, tensors, (query, key, value, dy), check)
-    return (query, key, value, dy, tensors.pse, tensors.drop_mask, tensors.atten_mask, tensors.softmax_max,
-            tensors.softmax_sum, tensors.attention_in, *seq, *scalars, True)
+    return (query, key, value, dy, tensors.pse, tensors.drop_mask, tensors.atten_mask, *_extras(tensors),
+            tensors.softmax_max, tensors.softmax_sum, tensors.attention_in, *seq, *scalars, True)
 
 
 def score(query, key, value, attrs: AttentionAttrs, tensors: AttentionTensors = AttentionTensors()):
@@ -300,32 +336,38 @@ def score(query, key, value, attrs: AttentionAttrs, tensors: AttentionTensors = 
 
 
 def score_grad(query, key, value, dy, attrs: AttentionAttrs, tensors: AttentionTensors = AttentionTensors()):
-    """:func:`flash_attention_score_grad` on parsed arguments: the ``attngrad::flash_attention_score_grad`` op;
-    dpse is None unless pse is a pseType 0/1 tensor."""
-    dq, dk, dv, dpse = _score_grad_op(*score_grad_op_args(query, key, value, dy, attrs, tensors))
-    return dq, dk, dv, dpse if _float_pse(attrs, tensors) else None
+    """:func:`flash_attention_score_grad` on parsed arguments: the ``attngrad::flash_attention_score_grad`` op:
+    ``(dq, dk, dv, dpse)``, dpse None unless pse is a pseType 0/1 tensor; when query_rope / key_rope or sink
+    is given, ``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)`` (torch_npu's order), None for an absent one."""
+    dq, dk, dv, dpse, *extras = _score_grad_op(*score_grad_op_args(query, key, value, dy, attrs, tensors))
+    grads = (dq, dk, dv, dpse if _float_pse(attrs, tensors) else None)
+    if not _has_extras(tensors):
+        return grads
+    return (*grads, *(None if absent(t) else g for t, g in zip(_extras(tensors), extras)))
 
 
 def flash_attention_score(query, key, value, head_num, input_layout, *, pse=None, drop_mask=None,
                           padding_mask=None, atten_mask=None, prefix=None, actual_seq_qlen=None,
                           actual_seq_kvlen=None, q_start_idx=None, kv_start_idx=None, scale_value=1.0,
                           keep_prob=1.0, pre_tokens=UNBOUNDED_TOKENS, next_tokens=UNBOUNDED_TOKENS, inner_precise=0,
-                          sparse_mode=0, pse_type=1, softmax_layout=""):
+                          sparse_mode=0, pse_type=1, softmax_layout="", query_rope=None, key_rope=None, sink=None):
     """CANN FlashAttentionScore -> ``(attention_out, softmax_max, softmax_sum)``.
 
     query ``[B,Sq,N1*D]`` (BSH) / ``[Sq,B,N1*D]`` (SBH) / ``[B,Sq,N1,D]`` (BSND) / ``[B,N1,Sq,D]`` (BNSD);
     key like query with N2 heads and Skv; value like key with Dv <= D. attention_out is query's shape with
     D -> Dv in query's dtype; softmax_max / softmax_sum float32 ``[B, N1, Sq, 8]``. TND (``[T, N, D]`` with
     cumulative ``actual_seq_qlen`` / ``actual_seq_kvlen``): see :mod:`attngrad.ops.flash_attention_varlen`.
-    Differentiable w.r.t. query, key, value and (pseType 0/1) pse: the backward is FlashAttentionScoreGrad's
-    kernel on the saved out and stats (the same drop mask). ``padding_mask`` is reserved (unused, as in CANN).
+    Differentiable w.r.t. query, key, value, (pseType 0/1) pse, query_rope, key_rope and sink: the backward is
+    FlashAttentionScoreGrad's kernel on the saved out and stats (the same drop mask). ``padding_mask`` is
+    reserved (unused, as in CANN). ``query_rope`` / ``key_rope`` (MLA: scores from ``[query, query_rope]`` and
+    ``[key, key_rope]``) and ``sink`` (float32 ``[N1]``): see :mod:`attngrad.ops.flash_attention_sink_rope`.
     """
     return score(query, key, value, *split_kwargs(
         head_num, input_layout, pse=pse, drop_mask=drop_mask, padding_mask=padding_mask, atten_mask=atten_mask,
         prefix=prefix, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, q_start_idx=q_start_idx,
         kv_start_idx=kv_start_idx, scale_value=scale_value, keep_prob=keep_prob, pre_tokens=pre_tokens,
         next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type,
-        softmax_layout=softmax_layout))
+        softmax_layout=softmax_layout, query_rope=query_rope, key_rope=key_rope, sink=sink))
 
 
 def flash_attention_score_grad(query, key, value, dy, head_num, input_layout, *, pse=None, drop_mask=None,
@@ -333,8 +375,11 @@ def flash_attention_score_grad(query, key, value, dy, head_num, input_layout, *,
                                softmax_in=None, attention_in=None, prefix=None, actual_seq_qlen=None,
                                actual_seq_kvlen=None, q_start_idx=None, kv_start_idx=None, scale_value=1.0,
                                keep_prob=1.0, pre_tokens=UNBOUNDED_TOKENS, next_tokens=UNBOUNDED_TOKENS,
-                               inner_precise=0, sparse_mode=0, pse_type=1, softmax_layout=""):
-    """CANN FlashAttentionScoreGrad -> ``(dq, dk, dv, dpse)`` shaped like query, key, value (and pse).
+                               inner_precise=0, sparse_mode=0, pse_type=1, softmax_layout="", query_rope=None,
+                               key_rope=None, sink=None):
+    """CANN FlashAttentionScoreGrad -> ``(dq, dk, dv, dpse)`` shaped like query, key, value (and pse); with
+    query_rope / key_rope or sink ``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)`` (torch_npu's
+    ``npu_fusion_attention_grad_v2`` order; None for an absent input), so calls without them are unchanged.
 
     dy / attention_in: query's shape with D -> Dv; softmax_max / softmax_sum float32 ``[B, N1, Sq, 8]`` from
     the forward, used as given. When all three are None they are recomputed by the forward kernel (attngrad
@@ -349,4 +394,4 @@ def flash_attention_score_grad(query, key, value, dy, head_num, input_layout, *,
         prefix=prefix, actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, q_start_idx=q_start_idx,
         kv_start_idx=kv_start_idx, scale_value=scale_value, keep_prob=keep_prob, pre_tokens=pre_tokens,
         next_tokens=next_tokens, inner_precise=inner_precise, sparse_mode=sparse_mode, pse_type=pse_type,
-        softmax_layout=softmax_layout))
+        softmax_layout=softmax_layout, query_rope=query_rope, key_rope=key_rope, sink=sink))

@@ -32,6 +32,7 @@ from ..kernels.flash_attention_reference import flash_attention_forward_referenc
 from ..validation import (MASK_DTYPES, check_dtype, check_float, check_int, check_int_list, check_range,
                           check_rank, invalid, require_tensor)
 from .flash_attention_checks import absent, check_drop_mask, check_pse_type
+from .flash_attention_sink_rope import check_sink, sink_grad
 
 SEQ_DIM = {"BNSD": 2, "BSND": 1, "BSH": 1, "SBH": 0}   # the S axis of each non-TND layout
 BATCH_DIM = {"BNSD": 0, "BSND": 0, "BSH": 0, "SBH": 1}
@@ -90,7 +91,7 @@ def _int_tuple(values):
 class AttentionTensors(NamedTuple):
     """The optional tensors of FlashAttentionScore(Grad) (None = absent). ``softmax_max``, ``softmax_sum``
     and ``attention_in`` are the grad's forward results; ``padding_mask`` and ``softmax_in`` are reserved
-    (unused, as in CANN)."""
+    (unused, as in CANN); ``query_rope``, ``key_rope``, ``sink``: :mod:`.flash_attention_sink_rope`."""
 
     pse: torch.Tensor | None = None
     drop_mask: torch.Tensor | None = None
@@ -100,6 +101,9 @@ class AttentionTensors(NamedTuple):
     softmax_sum: torch.Tensor | None = None
     softmax_in: torch.Tensor | None = None
     attention_in: torch.Tensor | None = None
+    query_rope: torch.Tensor | None = None
+    key_rope: torch.Tensor | None = None
+    sink: torch.Tensor | None = None
 
 
 def split_kwargs(head_num, input_layout, **kwargs) -> tuple[AttentionAttrs, AttentionTensors]:
@@ -142,6 +146,24 @@ class Problem:
     out: torch.Tensor | None = None
     softmax_max: torch.Tensor | None = None   # [B, N1, Sq] float32 (element 0 of the 8 copies)
     softmax_sum: torch.Tensor | None = None
+    q_rope: torch.Tensor | None = None        # BNSD [B, N1, Sq, Dr] and [B, N2 | 1, Skv, Dr], or None
+    k_rope: torch.Tensor | None = None
+
+    @property
+    def rope(self) -> tuple | None:
+        return None if self.q_rope is None else (self.q_rope, self.k_rope)
+
+
+class Grads(NamedTuple):
+    """The grad's results (BNSD from :func:`backward_kernel`): dpse, the rope grads and dsink None when absent."""
+
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    dpse: torch.Tensor | None = None
+    dq_rope: torch.Tensor | None = None
+    dk_rope: torch.Tensor | None = None
+    dsink: torch.Tensor | None = None
 
 
 # --------------------------------------------------------------------------------------------- layouts
@@ -377,6 +399,7 @@ def resolve_plan(op: str, geo: Geometry, dtype: torch.dtype, attrs: AttentionAtt
     if keep_prob < 1.0:
         check_drop_mask(op, drop_mask, geo.b * geo.n1 * geo.sq * geo.skv, "B*N1*Sq*Skv/8")
         fields.update(keep_prob=keep_prob, drop_mask=drop_mask.detach().reshape(-1))
+    fields.update(sink=check_sink(op, tensors.sink, geo.n1))
     golden = check_precision(attrs.precision) == GOLDEN
     return AttentionPlan(scale=scale, pse_type=pse_type, invalid_rows=invalid_rows, widen_gemm=golden,
                          round_probs=not golden, **fields)
@@ -393,37 +416,46 @@ def forward_kernel(p: Problem, into: tuple | None = None) -> tuple[torch.Tensor,
     with a unit last stride: the varlen layer's TND rows).
 
     Empty problems (a zero size) use the dense reference, which is exact and trivially small there:
-    Skv == 0 gives out = 0, max = -FLT_MAX, sum = 0.
+    Skv == 0 gives out = 0, max = -FLT_MAX, sum = 0 (with a sink: max = sink, sum = 1).
     """
     if _degenerate(p.geo):
         out, m, s = flash_attention_forward_reference(p.q, p.k, p.v, p.plan)
+        if p.plan.sink is not None and p.geo.skv == 0:
+            m, s = p.plan.sink.view(1, -1, 1).expand(m.shape), torch.ones(s.shape)
         results = out.to(p.q.dtype), m.float(), s.float()
         if into is None:
             return results
         for target, result in zip(into, results):
             target.copy_(result)
         return into
-    return kernels.flash_attention_forward(p.q, p.k, p.v, p.plan, *(into or ()))
+    return kernels.flash_attention_forward(p.q, p.k, p.v, p.plan, *(into or (None, None, None)), rope=p.rope)
 
 
-def backward_kernel(p: Problem, with_dpse: bool = False, into: tuple | None = None) -> tuple:
-    """Run the grad on a validated problem (recomputing out/max/sum if absent): BNSD ``(dq, dk, dv, dpse)``;
-    dpse (pse's shape, pseType 0/1) only when ``with_dpse``, else None. ``into = (dq, dk, dv)``: views to
-    write the gradients into (as in :func:`forward_kernel`).
+def backward_kernel(p: Problem, with_dpse: bool = False, into: tuple | None = None) -> Grads:
+    """Run the grad on a validated problem (recomputing out/max/sum if absent): BNSD :class:`Grads`; dpse
+    (pse's shape, pseType 0/1) only when ``with_dpse``; dq_rope / dk_rope with rope parts, dsink float32
+    ``[N1]`` with a sink. ``into = (dq, dk, dv)`` or ``(dq, dk, dv, dq_rope, dk_rope)``: views to write the
+    gradients into (as in :func:`forward_kernel`).
 
     When any of dq, dk, dv is empty (or Skv == 0 / Sq == 0), all gradients are zero-filled (CANN's rule).
     """
-    pse = p.plan.pse
+    pse, sink = p.plan.pse, p.plan.sink
     if _degenerate(p.geo):
         dpse = torch.zeros(pse.shape, dtype=pse.dtype) if with_dpse and pse is not None else None
-        grads = into or tuple(torch.empty(t.shape, dtype=p.q.dtype) for t in (p.q, p.k, p.v))
+        like = (p.q, p.k, p.v, *(p.rope or ()))
+        grads = into or tuple(torch.empty(t.shape, dtype=p.q.dtype) for t in like)
         for g in grads:
             g.zero_()
-        return (*grads, dpse)
+        dsink = None if sink is None else torch.zeros(sink.shape)
+        return Grads(*grads[:3], dpse, *(grads[3:] or (None, None)), dsink)
     if p.out is None:
         p.out, p.softmax_max, p.softmax_sum = forward_kernel(p)
-    return kernels.flash_attention_backward(p.q, p.k, p.v, p.dy, p.out, p.softmax_max, p.softmax_sum, p.plan,
-                                            with_dpse, *(into or ()))
+    into = into or ()
+    dq, dk, dv, dpse, dq_rope, dk_rope = kernels.flash_attention_backward(
+        p.q, p.k, p.v, p.dy, p.out, p.softmax_max, p.softmax_sum, p.plan, with_dpse, *into[:3], rope=p.rope,
+        rope_into=into[3:] or None)
+    dsink = None if sink is None else sink_grad(sink, p.dy, p.out, p.softmax_max, p.softmax_sum)
+    return Grads(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)
 
 
 def stats8(t: torch.Tensor) -> torch.Tensor:

@@ -41,12 +41,13 @@ from ..kernels.tensor_view import new_output
 from ..validation import (MASK_DTYPES, check_choice, check_dtype, check_float, check_int, check_int_list,
                           check_int_tensor, check_range, check_rank, invalid, require_tensor)
 from .flash_attention_core import (COMPRESSED_MASK, STATS_COPIES, AttentionAttrs, AttentionTensors, Geometry,
-                                   Problem, backward_kernel, forward_kernel, geometry, has_float_pse, resolve_plan,
-                                   stats8)
+                                   Grads, Problem, backward_kernel, forward_kernel, geometry, has_float_pse,
+                                   resolve_plan, stats8)
 from .flash_attention_checks import (NO_OUTPUTS, absent, check_cann_sizes, check_drop_mask, check_dy_and_attention_in,
                                      check_forward_outputs, check_grad_outputs, check_head_num, check_input_layout,
                                      check_pse_type, check_tensors, require_forward_tensors,
                                      require_grad_tensors, saved_stats)
+from .flash_attention_sink_rope import check_rope, check_sink
 
 FORWARD = "FlashAttentionVarLenScore"
 BACKWARD = "FlashAttentionUnpaddingScoreGrad"
@@ -203,6 +204,7 @@ def check_without_lengths(query, key, value, dy, attrs: AttentionAttrs, tensors:
     head_num = check_head_num(op, attrs.head_num)
     _check_softmax_layout(op, attrs.softmax_layout)
     base = _check_tnd_tensors(op, head_num, inputs, tensors.attention_in)
+    check_rope(op, "TND", base.n1, base.n2, query, key, tensors.query_rope, tensors.key_rope)
     for name, t in (("pse", tensors.pse), ("attenMask", tensors.atten_mask), ("dropMask", tensors.drop_mask)):
         if t is not None:
             require_tensor(op, name, t)  # a CPU tensor (its shape rules read the lengths)
@@ -213,6 +215,7 @@ def check_without_lengths(query, key, value, dy, attrs: AttentionAttrs, tensors:
     if seq_lengths[0].numel() != seq_lengths[1].numel():
         raise invalid(op, "actualSeqKvLen", f"must have as many entries as actualSeqQLen "
                       f"({seq_lengths[0].numel()})", seq_lengths[1].numel())
+    check_sink(op, tensors.sink, base.n1)
     return query.shape[0], base.n1, base.dv
 
 
@@ -395,12 +398,15 @@ class VarlenProblem:
     softmax_sum: torch.Tensor | None = None
     softmax_layout: str = ""
     pse: torch.Tensor | None = None            # the TND float pse (pseType 0/1), for dpse
+    rope: tuple | None = None                  # the checked (query_rope [T1,N1,Dr], key_rope [T2,N2|1,Dr], heads)
 
     def batch(self, b: int) -> Problem:
         """Batch b as the core's BNSD problem (views; stats [1, N1, Sq_b])."""
         q0, q1, k0, k1 = self.geo.rows(b)
         p = Problem(self.geo.batch_geometry(b), self.plans[b], _bnsd(self.query, q0, q1),
                     _bnsd(self.key, k0, k1), _bnsd(self.value, k0, k1))
+        if self.rope is not None:
+            p.q_rope, p.k_rope = _bnsd(self.rope[0], q0, q1), _bnsd(self.rope[1], k0, k1)
         if self.dy is not None:
             p.dy = _bnsd(self.dy, q0, q1)
         if self.out is not None:
@@ -421,11 +427,16 @@ def check_forward(query, key, value, attrs: AttentionAttrs, tensors: AttentionTe
     head_num = check_head_num(op, attrs.head_num)
     softmax_layout = _check_softmax_layout(op, attrs.softmax_layout)
     geo = _check_tnd_inputs(op, head_num, (query, key, value), attrs, cann_limits=cann_limits)
+    rope = _rope(op, geo, query, key, tensors)
     if cann_limits:
         check_forward_outputs(op, outputs, geo.stats_shape, (geo.t1, geo.n1, geo.dv), query.dtype)
     plans = _resolve_plans(op, geo, query.dtype, attrs, tensors)
     return VarlenProblem(geo, plans, query, key, value, softmax_layout=softmax_layout,
-                         pse=tensors.pse if has_float_pse(plans[0]) else None)
+                         pse=tensors.pse if has_float_pse(plans[0]) else None, rope=rope)
+
+
+def _rope(op: str, geo: VarlenGeometry, query, key, tensors: AttentionTensors):
+    return check_rope(op, "TND", geo.n1, geo.n2, query, key, tensors.query_rope, tensors.key_rope)
 
 
 def check_backward(query, key, value, dy, attrs: AttentionAttrs, tensors: AttentionTensors = AttentionTensors(),
@@ -446,11 +457,12 @@ def check_backward(query, key, value, dy, attrs: AttentionAttrs, tensors: Attent
     head_num = check_head_num(op, attrs.head_num)
     softmax_layout = _check_softmax_layout(op, attrs.softmax_layout)
     geo = _check_tnd_inputs(op, head_num, inputs, attrs, tensors.attention_in, cann_limits)
+    rope = _rope(op, geo, query, key, tensors)
     if cann_limits:
         check_grad_outputs(op, outputs, query, key, value)
     plans = _resolve_plans(op, geo, query.dtype, attrs, tensors)
     problem = VarlenProblem(geo, plans, query, key, value, dy, softmax_layout=softmax_layout,
-                            pse=tensors.pse if has_float_pse(plans[0]) else None)
+                            pse=tensors.pse if has_float_pse(plans[0]) else None, rope=rope)
     if given:
         problem.softmax_max, problem.softmax_sum = saved_stats(op, tensors.softmax_max, tensors.softmax_sum,
                                                                geo.stats_shape, geo.stats_rule)
@@ -483,25 +495,31 @@ def run_forward(p: VarlenProblem) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     return out, _pack_stats(smax, p.softmax_layout, p.geo), _pack_stats(ssum, p.softmax_layout, p.geo)
 
 
-def run_backward(p: VarlenProblem, with_dpse: bool = False) -> tuple:
-    """Per-batch grad (recomputing out and stats by :func:`forward_packed` when absent): ``(dq, dk, dv, dpse)``
-    shaped like query, key, value, each batch written in place (rows beyond the totals, queries of batches
-    without keys and keys of batches without queries get 0, as in CANN) and, with ``with_dpse`` for a float
+def run_backward(p: VarlenProblem, with_dpse: bool = False) -> Grads:
+    """Per-batch grad (recomputing out and stats by :func:`forward_packed` when absent): :class:`Grads`, dq, dk,
+    dv (and dq_rope, dk_rope) shaped like query, key, value (and the rope parts), each batch written in place
+    (rows beyond the totals, queries of batches without keys and keys of batches without queries get 0, as in
+    CANN) and, with ``with_dpse`` for a float
     pse (pseType 0/1), dpse in the pse's TND form (batch b's gradient added at the place it was read from, so
-    a shared compressed alibi sums its batches); else dpse is None."""
+    a shared compressed alibi sums its batches); else dpse is None. dsink: the sum over the batches."""
     geo = p.geo
     if p.out is None:
         out, smax, ssum = forward_packed(p)
         p = dataclasses.replace(p, out=out, softmax_max=smax, softmax_sum=ssum, softmax_layout="TND")
-    dq, dk, dv = (new_output(t.shape, p.query.dtype) for t in (p.query, p.key, p.value))
+    packed = (p.query, p.key, p.value, *(p.rope[:2] if p.rope else ()))
+    grads = tuple(new_output(t.shape, p.query.dtype) for t in packed)
     dpse = torch.zeros(p.pse.shape, dtype=p.pse.dtype) if with_dpse and p.pse is not None else None
+    sink = p.plans[0].sink
+    dsink = None if sink is None else torch.zeros(sink.shape)
     total_q, total_kv = (geo.cum_q[-1], geo.cum_kv[-1]) if geo.batch_count else (0, 0)
-    for grad, total in ((dq, total_q), (dk, total_kv), (dv, total_kv)):
-        grad[total:].zero_()
+    for i, grad in enumerate(grads):
+        grad[total_q if i in (0, 3) else total_kv:].zero_()
     for b in range(geo.batch_count):  # a batch without queries or keys zero-fills its rows (backward_kernel)
         q0, q1, k0, k1 = geo.rows(b)
-        *_, batch_dpse = backward_kernel(p.batch(b), with_dpse=dpse is not None,
-                                         into=(_bnsd(dq, q0, q1), _bnsd(dk, k0, k1), _bnsd(dv, k0, k1)))
+        g = backward_kernel(p.batch(b), with_dpse=dpse is not None,
+                            into=tuple(_bnsd(t, *((q0, q1) if i in (0, 3) else (k0, k1))) for i, t in enumerate(grads)))
         if dpse is not None and q1 > q0 and k1 > k0:
-            _batch_pse(dpse, geo, b, p.plans[b].pse_type).add_(batch_dpse)
-    return dq, dk, dv, dpse
+            _batch_pse(dpse, geo, b, p.plans[b].pse_type).add_(g.dpse)
+        if dsink is not None:
+            dsink += g.dsink
+    return Grads(*grads[:3], dpse, *(grads[3:] or (None, None)), dsink)

@@ -1,0 +1,310 @@
+"""FlashAttentionScore(Grad) with MLA rope parts (query_rope / key_rope) and an attention sink, against float64.
+
+Rope: the golden is the float64 reference on the concatenated ``[q, q_rope]`` / ``[k, k_rope]`` (a shared k_rope
+head repeated over the kv heads; its gradient is the sum over them). Sink: float64 torch autograd of the softmax
+over ``[scores, sink]`` with the sink column dropped (dropout applied to the score columns only).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import attngrad
+from attngrad import AclnnError, npu
+from attngrad.kernels.dropout import generate_drop_mask
+from attngrad.kernels.flash_attention_plan import AttentionPlan
+from attngrad.kernels.flash_attention_reference import (flash_attention_backward_reference,
+                                                         flash_attention_forward_reference, keep_mask, logits)
+from attngrad.ops.flash_attention import from_bnsd, to_bnsd
+from attngrad.precision import assert_close
+
+from helpers import random_tensors
+
+B, N1, N2, SQ, SKV, D, DR = 2, 4, 2, 37, 45, 16, 8
+CAUSAL = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
+
+
+def _bnsd_inputs(dtype, seed, dr=DR, kr_heads=N2):
+    shapes = ((B, N1, SQ, D), (B, N2, SKV, D), (B, N2, SKV, D), (B, N1, SQ, D), (B, N1, SQ, dr), (B, kr_heads, SKV, dr))
+    return random_tensors(shapes, dtype, seed)
+
+
+def _sink_golden(q, k, v, dy, sink, plan):
+    """Float64 (out, max, sum, dq, dk, dv, dsink) by autograd of softmax over [S, sink] without the sink column."""
+    q, k, v, sink = (t.detach().double().requires_grad_() for t in (q, k, v, sink))
+    s = logits(q, k, plan)
+    full = torch.cat([s, sink.view(1, -1, 1, 1).expand(*s.shape[:3], 1)], -1)
+    p = torch.softmax(full, -1)[..., :-1]
+    factor = keep_mask(plan, tuple(s.shape))
+    out = (p if factor is None else p * factor) @ v.repeat_interleave(N1 // N2, 1)
+    out.backward(dy.double())
+    m = full.amax(-1)
+    return out.detach(), m.detach(), torch.exp(full - m.unsqueeze(-1)).sum(-1).detach(), q.grad, k.grad, v.grad, \
+        sink.grad
+
+
+@pytest.mark.parametrize("layout,dtype,mask", [("BNSD", torch.float32, "causal"), ("BSH", torch.float16, None),
+                                               ("SBH", torch.bfloat16, "band"), ("BSND", torch.bfloat16, "causal")])
+def test_sink_matches_autograd(layout, dtype, mask):
+    q, k, v, dy, _, _ = _bnsd_inputs(dtype, seed=3)
+    sink = torch.randn(N1, generator=torch.Generator().manual_seed(4)) * 2
+    kw = dict(scale_value=0.3)
+    plan_kw = {}
+    if mask == "causal":
+        kw.update(atten_mask=CAUSAL, sparse_mode=3)      # right-down causal: Skv - Sq extra keys
+        plan_kw = dict(next_tokens=SKV - SQ)
+    elif mask == "band":
+        kw.update(atten_mask=CAUSAL, sparse_mode=4, pre_tokens=5, next_tokens=0)
+        plan_kw = dict(pre_tokens=5 + SQ - SKV, next_tokens=SKV - SQ)
+    golden = _sink_golden(q, k, v, dy, sink, AttentionPlan(scale=0.3, **plan_kw))
+    args = [from_bnsd(t, layout).requires_grad_() for t in (q, k, v)]
+    sink_leaf = sink.clone().requires_grad_()
+    out, smax, ssum = attngrad.flash_attention_score(*args, N1, layout, sink=sink_leaf, **kw)
+    out.backward(from_bnsd(dy, layout))
+    assert_close(to_bnsd(out, layout, N1), golden[0], dtype)
+    assert_close(smax[..., 0], golden[1], torch.float32)
+    assert_close(ssum[..., 0], golden[2], torch.float32)
+    for leaf, want, heads in zip(args, golden[3:6], (N1, N2, N2)):
+        assert_close(to_bnsd(leaf.grad, layout, heads), want, dtype)
+    assert_close(sink_leaf.grad, golden[6], dtype)
+    grads = attngrad.flash_attention_score_grad(*(t.detach() for t in args), from_bnsd(dy, layout), N1, layout,
+                                                sink=sink, softmax_max=smax, softmax_sum=ssum,
+                                                attention_in=out.detach(), **kw)
+    assert len(grads) == 7 and grads[3] is None and grads[4] is None and grads[5] is None
+    assert torch.equal(grads[6], sink_leaf.grad) and torch.equal(grads[0], args[0].grad)
+
+
+def test_sink_with_dropout_uses_the_dropped_dp():
+    """keep_prob < 1: dsink = -sum Psink * sum_j P dP', dP' = dP * M / keep_prob (the exact gradient)."""
+    q, k, v, dy, _, _ = _bnsd_inputs(torch.float32, seed=5)
+    sink = torch.randn(N1, generator=torch.Generator().manual_seed(6))
+    drop = generate_drop_mask(3, 0, B * N1 * SQ * SKV, 0.8)
+    golden = _sink_golden(q, k, v, dy, sink, AttentionPlan(scale=0.25, keep_prob=0.8, drop_mask=drop))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, sink)]
+    out, _, _ = attngrad.flash_attention_score(*leaves[:3], N1, "BNSD", sink=leaves[3], scale_value=0.25,
+                                               keep_prob=0.8, drop_mask=drop)
+    out.backward(dy)
+    assert_close(out, golden[0])
+    for leaf, want in zip(leaves, golden[3:]):
+        assert_close(leaf.grad, want)
+
+
+def test_sink_tnd_matches_per_batch():
+    """TND: every batch as its own BNSD problem; dsink is the sum over the batches."""
+    lens_q, lens_kv = (5, 0, 19), (7, 3, 19)
+    dtype = torch.bfloat16
+    q, k, v, dy = random_tensors(((24, N1, D), (29, N2, D), (29, N2, D), (24, N1, D)), dtype, seed=9)
+    sink = torch.randn(N1)
+    cq, ckv = [5, 5, 24], [7, 10, 29]
+    kw = dict(scale_value=0.25, actual_seq_qlen=cq, actual_seq_kvlen=ckv, atten_mask=CAUSAL, sparse_mode=3)
+    out, smax, _ = attngrad.flash_attention_score(q, k, v, N1, "TND", sink=sink, **kw)
+    dq, dk, dv, _, _, _, dsink = attngrad.flash_attention_score_grad(q, k, v, dy, N1, "TND", sink=sink, **kw)
+    want_dsink = torch.zeros(N1, dtype=torch.float64)
+    q0 = k0 = 0
+    for sq, skv in zip(lens_q, lens_kv):
+        if sq:
+            bq, bk, bv, bdy = (t[r0:r0 + s].permute(1, 0, 2)[None] for t, r0, s in
+                               ((q, q0, sq), (k, k0, skv), (v, k0, skv), (dy, q0, sq)))
+            g = _sink_golden(bq, bk, bv, bdy, sink, AttentionPlan(scale=0.25, next_tokens=skv - sq))
+            assert_close(out[q0:q0 + sq], g[0][0].permute(1, 0, 2), dtype)
+            assert_close(dq[q0:q0 + sq], g[3][0].permute(1, 0, 2), dtype)
+            assert_close(dk[k0:k0 + skv], g[4][0].permute(1, 0, 2), dtype)
+            assert_close(dv[k0:k0 + skv], g[5][0].permute(1, 0, 2), dtype)
+            want_dsink += g[6]
+        q0, k0 = q0 + sq, k0 + skv
+    assert_close(dsink, want_dsink, dtype)
+    assert smax.shape == (24, N1, 8)
+
+
+def _rope_golden(q, k, qr, kr, v, plan):
+    """The concatenated ``[q, q_rope]``, ``[k, k_rope]`` (a single k_rope head repeated over the N2 heads) and
+    the float64 forward (out, max, sum) on them."""
+    qc, kc = torch.cat([q, qr], -1), torch.cat([k, kr.expand(-1, N2, -1, -1)], -1)
+    return qc, kc, flash_attention_forward_reference(qc, kc, v, plan)
+
+
+@pytest.mark.parametrize("layout,dtype,kr_heads", [("BNSD", torch.float32, N2), ("BSND", torch.bfloat16, 1),
+                                                   ("BSH", torch.float16, N2), ("SBH", torch.bfloat16, 1)])
+def test_rope_matches_concatenated(layout, dtype, kr_heads):
+    q, k, v, dy, qr, kr = _bnsd_inputs(dtype, seed=11, kr_heads=kr_heads)
+    kw = dict(scale_value=(D + DR) ** -0.5, atten_mask=CAUSAL, sparse_mode=3)
+    plan = AttentionPlan(scale=(D + DR) ** -0.5, next_tokens=SKV - SQ)
+    lay = [from_bnsd(t, layout) for t in (q, k, v, dy, qr, kr)]
+    out, smax, ssum = attngrad.flash_attention_score(*lay[:3], N1, layout, query_rope=lay[4], key_rope=lay[5], **kw)
+    qc, kc, (g_out, g_max, g_sum) = _rope_golden(q, k, qr, kr, v, plan)
+    assert_close(to_bnsd(out, layout, N1), g_out, dtype)
+    assert_close(smax[..., 0], g_max, torch.float32)
+    assert_close(ssum[..., 0], g_sum, torch.float32)
+    dq, dk, dv, dpse, dqr, dkr, dsink = attngrad.flash_attention_score_grad(
+        *lay[:4], N1, layout, query_rope=lay[4], key_rope=lay[5], softmax_max=smax, softmax_sum=ssum,
+        attention_in=out, **kw)
+    assert dpse is None and dsink is None and dqr.shape == lay[4].shape and dkr.shape == lay[5].shape
+    g_dq, g_dk, g_dv = flash_attention_backward_reference(qc, kc, v, dy, to_bnsd(out, layout, N1), smax[..., 0],
+                                                          ssum[..., 0], plan)
+    g_dkr = g_dk[..., D:].sum(1, keepdim=True) if kr_heads == 1 else g_dk[..., D:]
+    for got, want, heads in ((dq, g_dq[..., :D], N1), (dk, g_dk[..., :D], N2), (dv, g_dv, N2),
+                             (dqr, g_dq[..., D:], N1), (dkr, g_dkr, kr_heads)):
+        assert_close(to_bnsd(got, layout, heads), want, dtype)
+
+
+def test_rope_with_pse_dropout_and_sink_equals_concatenated_fp32():
+    """Every feature at once (pse, dropout, band mask, GQA, shared k_rope, sink): the rope path equals attngrad
+    on the concatenated tensors (float32: same math, other GEMM split)."""
+    q, k, v, dy, qr, kr = _bnsd_inputs(torch.float32, seed=13, kr_heads=1)
+    pse = torch.randn(1, N1, SQ, SKV)
+    drop = generate_drop_mask(5, 0, B * N1 * SQ * SKV, 0.9)
+    sink = torch.randn(N1)
+    kw = dict(scale_value=0.2, pse=pse, keep_prob=0.9, drop_mask=drop, atten_mask=CAUSAL, sparse_mode=4,
+              pre_tokens=9, next_tokens=3, sink=sink)
+    out, smax, ssum = attngrad.flash_attention_score(q, k, v, N1, "BNSD", query_rope=qr, key_rope=kr, **kw)
+    qc, kc = torch.cat([q, qr], -1), torch.cat([k, kr.expand(-1, N2, -1, -1)], -1)
+    ref = attngrad.flash_attention_score(qc, kc, v, N1, "BNSD", **kw)
+    for got, want in zip((out, smax, ssum), ref):
+        assert_close(got, want.double())
+    grads = attngrad.flash_attention_score_grad(q, k, v, dy, N1, "BNSD", query_rope=qr, key_rope=kr, **kw)
+    g = attngrad.flash_attention_score_grad(qc, kc, v, dy, N1, "BNSD", **kw)
+    want = (g[0][..., :D], g[1][..., :D], g[2], g[3], g[0][..., D:], g[1][..., D:].sum(1, keepdim=True), g[6])
+    for got, w in zip(grads, want):
+        assert_close(got, w.double())
+
+
+def test_rope_tnd_shared_key_rope():
+    cq, ckv = [9, 9, 30], [12, 20, 33]
+    dtype = torch.bfloat16
+    q, k, v, dy, qr, kr = random_tensors(((30, N1, D), (33, N2, D), (33, N2, D), (30, N1, D), (30, N1, DR),
+                                          (33, 1, DR)), dtype, seed=17)
+    kw = dict(scale_value=0.25, actual_seq_qlen=cq, actual_seq_kvlen=ckv)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, qr, kr)]
+    out, _, _ = attngrad.flash_attention_score(*leaves[:3], N1, "TND", query_rope=leaves[3], key_rope=leaves[4], **kw)
+    out.backward(dy)
+    qc, kc = torch.cat([q, qr], -1), torch.cat([k, kr.expand(-1, N2, -1)], -1)
+    q0 = k0 = 0
+    for q1, k1 in zip(cq, ckv):
+        if q1 > q0:
+            bq, bk, bv, bdy = (t[r0:r1].permute(1, 0, 2)[None] for t, r0, r1 in
+                               ((qc, q0, q1), (kc, k0, k1), (v, k0, k1), (dy, q0, q1)))
+            plan = AttentionPlan(scale=0.25)
+            g_out, g_max, g_sum = flash_attention_forward_reference(bq, bk, bv, plan)
+            assert_close(out[q0:q1], g_out[0].permute(1, 0, 2), dtype)
+            g_dq, g_dk, _ = flash_attention_backward_reference(bq, bk, bv, bdy, g_out, g_max, g_sum, plan)
+            assert_close(leaves[3].grad[q0:q1], g_dq[0, :, :, D:].permute(1, 0, 2), dtype)
+            assert_close(leaves[4].grad[k0:k1], g_dk[0, :, :, D:].sum(0)[:, None], dtype)
+            assert_close(leaves[1].grad[k0:k1], g_dk[0, :, :, :D].permute(1, 0, 2), dtype)
+        q0, k0 = q1, k1
+
+
+@pytest.mark.parametrize("case,status,param", [
+    ("query_rope only", 161001, "keyRope"), ("key_rope only", 161001, "queryRope"),
+    ("rope dtype", 161002, "queryRope"), ("rope Dr differs", 161002, "keyRope"),
+    ("rope heads", 161002, "keyRope"), ("rope seq", 161002, "queryRope"),
+    ("sink dtype", 161002, "sinkIn"), ("sink length", 161002, "sinkIn")])
+def test_bad_rope_and_sink(case, status, param):
+    q, k, v, dy, qr, kr = _bnsd_inputs(torch.float16, seed=1)
+    kw = {"query_rope only": dict(query_rope=qr), "key_rope only": dict(key_rope=kr),
+          "rope dtype": dict(query_rope=qr.float(), key_rope=kr),
+          "rope Dr differs": dict(query_rope=qr, key_rope=kr[..., :4]),
+          "rope heads": dict(query_rope=qr, key_rope=torch.cat([kr, kr[:, :1]], 1)),
+          "rope seq": dict(query_rope=qr[:, :, :5], key_rope=kr),
+          "sink dtype": dict(sink=torch.zeros(N1, dtype=torch.float16)),
+          "sink length": dict(sink=torch.zeros(N1 + 1))}[case]
+    for call in (lambda: attngrad.flash_attention_score(q, k, v, N1, "BNSD", **kw),
+                 lambda: attngrad.flash_attention_score_grad(q, k, v, dy, N1, "BNSD", **kw)):
+        with pytest.raises(AclnnError) as err:
+            call()
+        assert (err.value.status, err.value.param) == (status, param)
+
+
+def test_compiled_fullgraph_with_rope_and_sink():
+    q, k, v, dy, qr, kr = _bnsd_inputs(torch.float32, seed=21, kr_heads=1)
+    sink = torch.randn(N1)
+
+    def attention(q, k, v, qr, kr, sink):
+        return attngrad.flash_attention_score(q, k, v, N1, "BNSD", scale_value=0.25, query_rope=qr, key_rope=kr,
+                                              sink=sink)[0]
+
+    compiled = torch.compile(attention, fullgraph=True)
+    results = []
+    for fn in (attention, compiled):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v, qr, kr, sink)]
+        out = fn(*leaves)
+        out.backward(dy)
+        results.append((out, *(t.grad for t in leaves)))
+    for eager, comp in zip(*results):
+        assert torch.equal(eager, comp)
+
+
+def test_npu_v2_names_carry_rope_and_sink():
+    q, k, v, dy, qr, kr = _bnsd_inputs(torch.bfloat16, seed=23, kr_heads=1)
+    lay = [from_bnsd(t, "BSND") for t in (q, k, v, dy, qr, kr)]
+    sink = torch.randn(N1)
+    kw = dict(scale_value=0.25, query_rope=lay[4], key_rope=lay[5], sink=sink)
+    out, smax, ssum, *_ = npu.npu_fusion_attention_v2(*lay[:3], N1, "BSND", scale=0.25, query_rope=lay[4],
+                                                      key_rope=lay[5], sink=sink)
+    ref = attngrad.flash_attention_score(*lay[:3], N1, "BSND", **kw)
+    assert all(torch.equal(a, b) for a, b in zip((out, smax, ssum), ref))
+    grads = npu.npu_fusion_attention_grad_v2(*lay[:4], N1, "BSND", softmax_max=smax, softmax_sum=ssum,
+                                             attention_in=out, **kw)
+    ref_grads = attngrad.flash_attention_score_grad(*lay[:4], N1, "BSND", softmax_max=smax, softmax_sum=ssum,
+                                                    attention_in=out, **kw)
+    assert len(grads) == 7 and grads[3].numel() == 0
+    assert all(torch.equal(a, b) for a, b in zip(grads[:3] + grads[4:], ref_grads[:3] + ref_grads[4:]))
+
+
+def test_aclnn_grad_v3_sink_and_varlen_v3_rope():
+    from attngrad import aclnn
+    from helpers import acl
+    tokens = 2147483647
+    q, k, v, dy, qr, kr = _bnsd_inputs(torch.bfloat16, seed=29)
+    sink = torch.randn(N1)
+    out, smax, ssum = attngrad.flash_attention_score(q, k, v, N1, "BNSD", scale_value=0.25, sink=sink)
+    dq, dk, dv, dsink = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros(N1)
+    ret, ws, ex = aclnn.aclnnFlashAttentionScoreGradV3GetWorkspaceSize(
+        acl(q), acl(k), acl(v), acl(dy), None, None, None, None, acl(smax), acl(ssum), None, acl(out), acl(sink),
+        None, None, None, 0.25, 1.0, tokens, tokens, N1, "BNSD", 0, 0, 1, acl(dq), acl(dk), acl(dv), None,
+        acl(dsink))
+    assert ret == 0, aclnn.aclGetRecentErrMsg()
+    assert aclnn.aclnnFlashAttentionScoreGradV3(None, ws, ex, None) == 0
+    ref = attngrad.flash_attention_score_grad(q, k, v, dy, N1, "BNSD", scale_value=0.25, sink=sink,
+                                              softmax_max=smax, softmax_sum=ssum, attention_in=out)
+    assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv, dsink), ref[:3] + ref[6:]))
+    ret, _, _ = aclnn.aclnnFlashAttentionScoreGradV3GetWorkspaceSize(
+        acl(q), acl(k), acl(v), acl(dy), None, None, None, None, acl(smax), acl(ssum), None, acl(out), acl(sink),
+        None, None, None, 0.25, 1.0, tokens, tokens, N1, "BNSD", 0, 0, 1, acl(dq), acl(dk), acl(dv), None,
+        acl(torch.zeros(N1 + 1)))
+    assert ret == 161002
+    # TND rope: forward V3 then grad V3
+    t_q, t_k = B * SQ, B * SKV
+    tq, tk, tv, tdy, tqr, tkr = (x.permute(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3]).contiguous()
+                                 for x in (q, k, v, dy, qr, kr))
+    cq, ckv = [SQ, 2 * SQ], [SKV, 2 * SKV]
+    o, m8, s8 = torch.zeros(t_q, N1, D, dtype=q.dtype), torch.zeros(t_q, N1, 8), torch.zeros(t_q, N1, 8)
+    ret, ws, ex = aclnn.aclnnFlashAttentionVarLenScoreV3GetWorkspaceSize(
+        acl(tq), acl(tqr), acl(tk), acl(tkr), acl(tv), None, None, None, None, None, cq, ckv, None, None, 0.25, 1.0,
+        tokens, tokens, N1, "TND", 0, 0, 1, acl(m8), acl(s8), None, acl(o))
+    assert ret == 0, aclnn.aclGetRecentErrMsg()
+    assert aclnn.aclnnFlashAttentionVarLenScoreV3(None, ws, ex, None) == 0
+    kw = dict(scale_value=0.25, actual_seq_qlen=cq, actual_seq_kvlen=ckv, query_rope=tqr, key_rope=tkr)
+    assert all(torch.equal(a, b) for a, b in zip((o, m8, s8), attngrad.flash_attention_score(tq, tk, tv, N1, "TND",
+                                                                                             **kw)))
+    grads = [torch.zeros_like(x) for x in (tq, tqr, tk, tkr, tv)]
+    ret, ws, ex = aclnn.aclnnFlashAttentionUnpaddingScoreGradV3GetWorkspaceSize(
+        acl(tq), acl(tqr), acl(tk), acl(tkr), acl(tv), acl(tdy), None, None, None, None, acl(m8), acl(s8), None,
+        acl(o), None, cq, ckv, None, None, 0.25, 1.0, tokens, tokens, N1, "TND", 0, 0, 1, *map(acl, grads), None)
+    assert ret == 0, aclnn.aclGetRecentErrMsg()
+    assert aclnn.aclnnFlashAttentionUnpaddingScoreGradV3(None, ws, ex, None) == 0
+    ref = attngrad.flash_attention_score_grad(tq, tk, tv, tdy, N1, "TND", softmax_max=m8, softmax_sum=s8,
+                                              attention_in=o, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(grads, (ref[0], ref[4], ref[1], ref[5], ref[2])))
+
+
+def test_flash_attn_func_sink():
+    """flash_attn_func(sink=...) is the BSND contract with the sink; softmax_lse includes the sink logit."""
+    q, k, v, dy, _, _ = _bnsd_inputs(torch.float32, seed=31)
+    q, k, v, dy = (t.transpose(1, 2) for t in (q, k, v, dy))
+    sink = torch.randn(N1)
+    out, lse, _ = attngrad.flash_attn_func(q, k, v, causal=True, return_attn_probs=True, sink=sink)
+    ref, smax, ssum = attngrad.flash_attention_score(q, k, v, N1, "BSND", scale_value=D ** -0.5, sink=sink,
+                                                     atten_mask=CAUSAL, sparse_mode=3)
+    assert torch.equal(out, ref)
+    assert torch.allclose(lse, smax[..., 0] + ssum[..., 0].log())
