@@ -485,8 +485,8 @@ def _golden_rule(a: dict, sq: int, skv: int) -> tuple:
     mode, pre, nxt, prefix = int(a["sparse_mode"]), int(a["pre_tokens"]), int(a["next_tokens"]), a["prefix"]
     rules = {0: (pre, nxt), 1: (UNBOUNDED, UNBOUNDED), 2: (UNBOUNDED, 0), 3: (UNBOUNDED, skv - sq),
              4: (pre + sq - skv, nxt + skv - sq)}
-    if mode in (5, 6) and prefix is not None:
-        return UNBOUNDED, skv - sq, tuple(int(p) for p in prefix), mode == 5
+    if mode == 6 and prefix is not None:  # mode 5 reads its mask alone (the prefix only allows skipping)
+        return UNBOUNDED, skv - sq, tuple(int(p) for p in prefix), False
     band = rules.get(mode, (UNBOUNDED, UNBOUNDED))
     return *band, None, mode in (0, 1, 5)
 

@@ -27,6 +27,7 @@ def test_opcheck_scaled_masked_softmax(dtype):
     ops = torch.ops.attngrad
     opcheck(ops.scaled_masked_softmax.default, (x, mask, 0.5, False))
     opcheck(ops.scaled_masked_softmax.default, (x, None, 1.0, True))
+    opcheck(ops.scaled_masked_softmax.default, (x, mask, 0.5, False, "golden"))
     y = attngrad.scaled_masked_softmax(x.detach(), mask, 0.5)
     opcheck(ops.scaled_masked_softmax_backward.default, (_rand(2, 3, 8, 24, dtype=dtype), y, mask, 0.5, False))
 

@@ -170,12 +170,13 @@ def compare_output(name: str, golden: torch.Tensor, actual: torch.Tensor, rule: 
     mare = float(rel[finite].max()) if finite.any() else 0.0
     ratio = float(bad.double().mean()) if bad.numel() else 0.0
     ok = (mere < threshold and mare < 10 * threshold) if rule == "mere" else ratio <= ELEMENT_BAD_RATIO
-    worst = torch.argsort(diff + bad.double() * math.inf, descending=True)[:WORST] if a.numel() else []
+    top = float(diff.max()) + 1.0 if a.numel() else 0.0
+    worst = torch.argsort(diff + bad.double() * top, descending=True)[:WORST]  # bad ones first, by difference
     return dict(output=name, dtype=str(actual.dtype).replace("torch.", ""), shape=list(actual.shape),
                 bad=int(bad.sum()), bad_ratio=ratio, max_abs=float(diff.max()) if a.numel() else 0.0,
                 max_rel=float(rel[finite].max()) if finite.any() else 0.0, mere=mere, mare=mare, mere_tol=threshold,
                 nan_inf_mismatch=special, passed=bool(ok and special == 0),
-                worst=[dict(index=list(np.unravel_index(int(i), tuple(actual.shape)) if actual.dim() else ()),
+                worst=[dict(index=[int(x) for x in np.unravel_index(int(i), tuple(actual.shape))],
                             golden=float(g[i]), actual=float(a[i])) for i in worst])
 
 

@@ -930,7 +930,7 @@ def _kernel_plan(plan: AttentionPlan, q: torch.Tensor, skv: int, dpse: bool = Fa
                       pse_first=bool(plan.pse_type == 1), shift=int(plan.kv_start_idx - plan.q_start_idx),
                       dropout=bool(plan.has_dropout), dpse=bool(dpse), invalid_rows=bool(plan.invalid_rows),
                       n1=int(n1), sq=int(sq), skv=int(skv), scale=scale, inv_keep=inv_keep,
-                      probs_like=kernel_view(q.new_zeros(1) if plan.round_probs else q.new_zeros(1, dtype=torch.float32)),
+                      probs_like=kernel_view(q.new_zeros(1, dtype=q.dtype if plan.round_probs else torch.float32)),
                       sink=sink, has_sink=plan.sink is not None)
 
 

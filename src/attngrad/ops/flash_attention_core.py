@@ -11,8 +11,9 @@ BSH / SBH / BSND / BNSD) and the varlen one (:mod:`attngrad.ops.flash_attention_
 * :func:`forward_kernel` / :func:`backward_kernel`: the kernels on a validated problem; :func:`stats8`.
 
 Choices where attngrad is stricter or more explicit than CANN, documented at their checks: an empty
-mode-0/4 band is an error also at the equality CANN's tiling lets through; modes 2/3/4/6 take the compressed mask as the standard
-pattern and never read it (see docs/cann-semantics.md, 'Deviations from CANN').
+mode-0/4 band is an error also at the equality CANN's tiling lets through; modes 2/3/4/6 take the compressed
+mask as the standard pattern and never read it; mode 5 warns on a prefix outside the documented range (see
+docs/cann-semantics.md, 'Deviations from CANN').
 """
 
 from __future__ import annotations

@@ -151,12 +151,12 @@ def backward_kernel(grad_output, y, mask, scale: float, out: torch.Tensor | None
 # AclnnError in eager, under torch.compile and in torch.export; the public functions below only call them.
 @torch.library.custom_op("attngrad::scaled_masked_softmax", mutates_args=())
 def _forward_op(x: torch.Tensor, mask: torch.Tensor | None, scale: float, fix_triu_mask: bool,
-                precision: str) -> torch.Tensor:
+                precision: str = NPU) -> torch.Tensor:
     return forward_kernel(*check_forward(x, mask, scale, fix_triu_mask), precision=precision)
 
 
 @_forward_op.register_fake
-def _forward_fake(x, mask, scale, fix_triu_mask, precision):
+def _forward_fake(x, mask, scale, fix_triu_mask, precision=NPU):
     check_forward(x, mask, scale, fix_triu_mask)
     check_precision(precision)
     return x.new_empty(x.shape)
