@@ -20,6 +20,12 @@ float32. Query head n reads kv head ``n // G`` with ``G = N1 // N2``. The math (
   same tile loop, accumulated per tile into an fp32 array of pse's own shape (:func:`_add_dpse_row`; a dense
   [B, N1, Sq, Skv] pse is written straight into the output): the task split (:func:`_dpse_split`) gives every
   element one owning task, so one fixed summation order.
+* rope parts (MLA, optional): ``q_rope [B, N1, Sq, Dr]`` / ``k_rope [B, N2 or 1, Skv, Dr]`` add
+  ``q_rope k_rope^T`` to each fp32 score tile by a second GEMM (:func:`_add_rope_scores`); the backward adds
+  ``dq_rope = scale * dS k_rope`` and ``dk_rope = scale * dS^T q_rope`` from the rounded dS
+  (:func:`_rope_gradient_gemms`; a shared k_rope head gets the per-kv-head results summed afterwards);
+* sink (optional, ``plan.sink`` float32 [N1]): the forward's running max starts at ``sink[n]`` and its sum at 1
+  (one more logit without a value); the backward needs nothing new (dsink is computed by the contract).
 
 Precision flags of the plan (docs/golden.md): ``widen_gemm`` widens q, k, v, dy to float32 once per call, so
 every GEMM and scratch tile is float32 while the outputs keep the input dtype (one rounding each);
