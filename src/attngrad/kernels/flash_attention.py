@@ -67,6 +67,7 @@ from .gemm import BRGEMM_DTYPES, NO_TRANS, TRANS, brgemm, brgemm_release, gemm
 from .numeric import (FASTMATH, LOG2E, aligned_empty, array_at, exp2_32, exp32, fmaximum, narrow, narrow_ftz,
                       prefer_512_bit_vectors, row_address, widen)
 from .tensor_view import kernel_view, new_output
+from .threads import on_torch_threads
 
 _NEG = np.float32(MASKED_LOGIT)
 _FLT_MAX = np.float32(-MASKED_LOGIT)
@@ -879,6 +880,7 @@ def _forward_operands(q: torch.Tensor, qv: np.ndarray, kv: np.ndarray, vv: np.nd
     return ForwardOperands(qv, kv, vv, kt, vt, True)
 
 
+@on_torch_threads
 def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=None, softmax_sum=None):
     """Returns ``(out [B,N1,Sq,Dv] input dtype, softmax_max [B,N1,Sq] fp32, softmax_sum [B,N1,Sq] fp32)``.
 
@@ -932,6 +934,7 @@ def _dpse_split(plan: AttentionPlan, b: int) -> tuple[int, bool]:
     return (b if plan.pse.shape[0] > 1 else 1), plan.pse_compressed
 
 
+@on_torch_threads
 def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: AttentionPlan,
                              with_dpse: bool = False, dq=None, dk=None, dv=None):
     """Returns ``(dq, dk, dv, dpse)``: dq/dk/dv shaped like q, k, v in the input dtype (module docstring for
