@@ -64,7 +64,7 @@ def _case_pair(shape, dtype, what, plan_kw, peer_kw, peer_name=_PEER) -> list[Be
     graph_out = _torch_flash(*leaves, **peer_kw)
     b, n, s, d = shape
     flops = 4 * d * visible_pairs(plan, b, n, s, s)
-    roofline = "gemm_bf16" if dtype != torch.float32 else "gemm_fp32"
+    roofline = "gemm_bf16_best" if dtype != torch.float32 else "gemm_fp32"
     grad = BenchCase(
         op="FlashAttentionScoreGrad", dtype=dtype, label=_label(shape, what), flops=2.5 * flops, roofline=roofline,
         impls={"attngrad": lambda: flash_attention_backward(q, k, v, dy, out, smax, ssum, plan),
@@ -99,7 +99,7 @@ def _modifier_case(shape) -> BenchCase:
     stats_plain = flash_attention_forward(q, k, v, plain)
     return BenchCase(
         op="FlashAttentionScoreGrad", dtype=torch.bfloat16, label=_label(shape, " causal+pse BNSS+dropout 0.9"),
-        flops=2.5 * 4 * d * visible_pairs(plain, b, n, s, s), roofline="gemm_bf16",
+        flops=2.5 * 4 * d * visible_pairs(plain, b, n, s, s), roofline="gemm_bf16_best",
         impls={"attngrad pse+causal+dropout": lambda: flash_attention_backward(q, k, v, dy, *stats_full, full),
                "attngrad plain causal": lambda: flash_attention_backward(q, k, v, dy, *stats_plain, plain)},
         notes="cost of pse + dropout score modifiers (target: <= 1.5x the plain causal grad)")

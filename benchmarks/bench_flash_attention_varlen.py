@@ -82,14 +82,14 @@ def _cases(lengths: list[int], dtype: torch.dtype) -> list[BenchCase]:
     flops = 4 * HEADS * HEAD_DIM * sum(s * s for s in lengths) * 0.5
     label = f"TND {len(lengths)} seqs {min(lengths)}..{max(lengths)} (T={total}) N{HEADS} D{HEAD_DIM} causal"
     grad = BenchCase(
-        op="FlashAttentionUnpaddingScoreGrad", dtype=dtype, label=label, flops=2.5 * flops, roofline="gemm_bf16",
+        op="FlashAttentionUnpaddingScoreGrad", dtype=dtype, label=label, flops=2.5 * flops, roofline="gemm_bf16_best",
         impls={"attngrad varlen": lambda: varlen.run_backward(grad_problem),
                "attngrad BNSD one by one": one_by_one_backward,
                "torch sdpa flash (C++) padded": lambda: torch.autograd.grad(graph_out, leaves, padded[3],
                                                                             retain_graph=True)},
         notes="backward only; stats from a prior forward; torch pads every sequence to the longest")
     forward = BenchCase(
-        op="FlashAttentionVarLenScore", dtype=dtype, label=label, flops=flops, roofline="gemm_bf16",
+        op="FlashAttentionVarLenScore", dtype=dtype, label=label, flops=flops, roofline="gemm_bf16_best",
         impls={"attngrad varlen": lambda: varlen.run_forward(forward_problem),
                "attngrad BNSD one by one": one_by_one_forward,
                "torch sdpa flash (C++) padded": lambda: _torch_flash(*padded[:3])},

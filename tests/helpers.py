@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from attngrad import aclnn
 from attngrad.ops.flash_attention import from_bnsd
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run the block with ``torch.set_num_threads(n)`` (which the kernels follow), restoring torch's count."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def random_tensors(shapes, dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, ...]:

@@ -1,8 +1,8 @@
 """The ``attngrad bench`` machinery on tiny synthetic cases (no timing assertions).
 
 Covers: option parsing, case selection (--op, --dtype, --size, --quick), the JSON rows (ratios, GB/s,
-fractions of the roofline), the rendered table, the plots, the scaling helpers (stop rules, slope fit,
-plot) and the first-call child process plumbing.
+fractions of the roofline), the machine header (CPU, ISA, threads, GEMM paths, --calibrate), the rendered table,
+the plots, the scaling helpers (stop rules, slope fit, plot) and the first-call child process plumbing.
 """
 
 from __future__ import annotations
@@ -18,8 +18,24 @@ import torch
 from attngrad import bench
 from attngrad.benchmarks import bench_scaling
 from attngrad.cli import main
+from attngrad.kernels import gemm_paths
+from attngrad.machine import cpu_model, isa_flags
 
-ROOFLINES = {"copy_gbps": 20.0, "gemm_fp32_tflops": 0.5, "gemm_bf16_tflops": 2.0}
+ROOFLINES = {"copy_gbps": 20.0, "gemm_fp32_tflops": 0.5, "gemm_bf16_tflops": 2.0,
+             "gemm_bf16_widened_tflops": 0.4, "gemm_bf16_best_tflops": 2.0}
+
+
+@pytest.fixture
+def calibration_in(tmp_path, monkeypatch):
+    """The GEMM-path calibration in a temporary cache, with fixed timings (widened faster): a list of the
+    measured dtypes."""
+    measured = []
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(gemm_paths.ENV, raising=False)
+    monkeypatch.setattr(gemm_paths, "measure", lambda d: measured.append(d) or {"native": 10.0, "widened_fp32": 5.0})
+    gemm_paths.calibration.cache_clear()
+    yield measured
+    gemm_paths.calibration.cache_clear()
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -180,7 +196,7 @@ def test_first_call_snippets_run():
         assert eval(bench.FIRST_CALLS[op], ns) is not None
 
 
-def test_cli_runs_a_selected_quick_bench(tmp_path, monkeypatch):
+def test_cli_runs_a_selected_quick_bench(tmp_path, monkeypatch, calibration_in):
     monkeypatch.setattr(bench, "measure_rooflines", lambda quick: dict(ROOFLINES))
     monkeypatch.setattr(bench, "collect_cases", lambda args: [memory_case()])
     assert main(["bench", "--quick", "--repeat", "1", "--out", str(tmp_path)]) == 0
@@ -226,3 +242,19 @@ def test_time_case_runs_more_rounds_for_fast_cases_within_limits():
     calls.clear()
     bench.time_case(case, repeat=2, min_s=0.0)
     assert len(calls) == 1 + 2
+
+
+def test_report_opens_with_the_machine_and_calibrate_measures_again(tmp_path, monkeypatch, capsys, calibration_in):
+    monkeypatch.setattr(bench, "measure_rooflines", lambda quick: dict(ROOFLINES))
+    monkeypatch.setattr(bench, "collect_cases", lambda args: [memory_case()])
+    argv = ["bench", "--quick", "--repeat", "1", "--no-plots", "--out", str(tmp_path)]
+    assert main(argv) == 0 and len(calibration_in) == 2
+    assert main([*argv, "--calibrate"]) == 0 and len(calibration_in) == 4
+    assert "GEMM-path calibration" in capsys.readouterr().out
+    machine = json.loads((tmp_path / "bench.json").read_text())["machine"]
+    assert machine["cpu"] == cpu_model() and machine["isa"] == list(isa_flags())
+    assert machine["threads"] == torch.get_num_threads()
+    assert machine["gemm_paths"] == {"bfloat16": "widened_fp32", "float16": "widened_fp32"}
+    summary = (tmp_path / "bench.md").read_text()
+    assert summary.startswith(f"CPU: {cpu_model()}") and "GEMM paths: bfloat16 widened_fp32" in summary
+    assert "best 2.00" in summary  # the bf16 roofline of native or widened GEMM

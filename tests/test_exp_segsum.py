@@ -19,7 +19,6 @@ import contextlib
 import io
 import math
 
-import numba
 import pytest
 import torch
 
@@ -30,7 +29,7 @@ from attngrad.kernels.exp_segsum_reference import (exp_segsum_backward_reference
                                                    saturate)
 from attngrad.precision import assert_close, compare
 
-from helpers import bits
+from helpers import bits, torch_threads
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ACL_DTYPES = {torch.float32: aclnn.ACL_FLOAT, torch.float16: aclnn.ACL_FLOAT16, torch.bfloat16: aclnn.ACL_BF16}
@@ -420,15 +419,11 @@ def test_no_graph_without_requires_grad():
 def test_deterministic_across_calls_and_thread_counts(dtype):
     x = normal((1, 3, 150), 0.0, 0.3, dtype)  # 3 problems: split paths on both kernels
     go = torch.randn(1, 3, 150, 150).to(dtype)
-    threads = numba.get_num_threads()
     results = []
-    try:
-        for n in (1, 2, 2, 1):
-            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    for n in (1, 2, 2, 1):
+        with torch_threads(n):
             out = attngrad.exp_segsum(x)
             results.append((out, attngrad.exp_segsum_backward(go, out)))
-    finally:
-        numba.set_num_threads(threads)
     for out, grad in results[1:]:
         assert torch.equal(bits(out), bits(results[0][0])) and torch.equal(bits(grad), bits(results[0][1]))
 

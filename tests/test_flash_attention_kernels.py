@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import numba
 import pytest
 import torch
 
@@ -17,7 +16,7 @@ from attngrad.kernels.gemm import _gemm_for_test
 from attngrad.kernels.tensor_view import kernel_view
 from attngrad.precision import assert_close
 
-from helpers import attention_inputs
+from helpers import attention_inputs, torch_threads
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -84,13 +83,9 @@ def test_one_head_is_split_and_deterministic(dtype):
     plan = AttentionPlan(scale=0.125)
     first = _check_backward(q, k, v, dy, plan)
     stats = _golden_stats(q, k, v, plan)
-    threads = numba.get_num_threads()
-    try:
-        numba.set_num_threads(1)
+    with torch_threads(1):
         single = flash_attention_backward(q, k, v, dy, *stats, plan)
         single_fwd = flash_attention_forward(q, k, v, plan)
-    finally:
-        numba.set_num_threads(threads)
     again = flash_attention_backward(q, k, v, dy, *stats, plan)
     for a, b, c in zip(first, single[:3], again[:3]):
         assert torch.equal(a, b) and torch.equal(a, c)

@@ -1,18 +1,15 @@
-"""Determinism: identical bits across repeated calls, across numba / torch thread counts and,
+"""Determinism: identical bits across repeated calls, across thread counts and,
 for flash attention, across tile schedules (batch splits and the backward's key-chunk count).
 """
 
 from __future__ import annotations
 
-import contextlib
-
-import numba
 import pytest
 import torch
 
 import attngrad
 from attngrad.kernels import flash_attention as fa_kernels
-from helpers import same_bits
+from helpers import same_bits, torch_threads
 from reliability_cases import FA_DEFAULTS
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -53,27 +50,15 @@ def assert_same(a, b, what):
         assert same_bits(x, y), f"{what}: output {i} differs"
 
 
-@contextlib.contextmanager
-def threads(numba_threads: int, torch_threads: int):
-    old_numba, old_torch = numba.get_num_threads(), torch.get_num_threads()
-    numba.set_num_threads(numba_threads)
-    torch.set_num_threads(torch_threads)
-    try:
-        yield
-    finally:
-        numba.set_num_threads(old_numba)
-        torch.set_num_threads(old_torch)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_repeated_calls_and_thread_counts_same_bits(dtype):
     calls = workloads(dtype)
     for name, call in calls.items():
         first = call()
         assert_same(first, call(), f"{name} repeated")
-        for counts in ((1, 1), (min(2, numba.config.NUMBA_NUM_THREADS), 1), (1, 2)):
-            with threads(*counts):
-                assert_same(first, call(), f"{name} with numba/torch threads {counts}")
+        for count in (1, 2):
+            with torch_threads(count):
+                assert_same(first, call(), f"{name} with {count} threads")
 
 
 def _fa(q, k, v, dy):

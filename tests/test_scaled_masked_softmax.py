@@ -6,7 +6,6 @@ masked backward outputs must be exactly 0.
 
 from __future__ import annotations
 
-import numba
 import pytest
 import torch
 
@@ -16,7 +15,7 @@ from attngrad.kernels.scaled_masked_softmax_reference import (scaled_masked_soft
                                                                scaled_masked_softmax_reference)
 from attngrad.precision import assert_close
 
-from helpers import bits
+from helpers import bits, torch_threads
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ACL_DTYPES = {torch.float32: aclnn.ACL_FLOAT, torch.float16: aclnn.ACL_FLOAT16, torch.bfloat16: aclnn.ACL_BF16,
@@ -468,15 +467,11 @@ def test_npu_keyword_names():
 def test_deterministic_across_calls_and_thread_counts(dtype):
     shape = (4, 4, 33, 300)  # 528 rows: split over the threads
     x, dy, mask = torch.randn(shape).to(dtype), torch.randn(shape).to(dtype), make_mask(shape, "B1")
-    threads = numba.get_num_threads()
     results = []
-    try:
-        for n in (1, 2, 2, 1):
-            numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+    for n in (1, 2, 2, 1):
+        with torch_threads(n):
             y = attngrad.scaled_masked_softmax(x, mask, 0.3)
             results.append((y, attngrad.scaled_masked_softmax_backward(dy, y, mask, 0.3)))
-    finally:
-        numba.set_num_threads(threads)
     for y, out in results[1:]:
         assert torch.equal(bits(y), bits(results[0][0])) and torch.equal(bits(out), bits(results[0][1]))
 

@@ -1,6 +1,8 @@
 """``attngrad bench``: attngrad and its PyTorch peers timed side by side in one process.
 
-The machine's rooflines are measured first (copy bandwidth, fp32 and bf16 GEMM), then every case of
+The report opens with the machine (CPU model, instruction sets, thread count, the GEMM paths the bf16 / fp16
+kernels take: :mod:`attngrad.kernels.gemm_paths`). The machine's rooflines are measured first (copy bandwidth, fp32
+GEMM, bf16 GEMM native and on widened fp32), then every case of
 the modules in ``benchmarks/`` (installed as ``attngrad.benchmarks``). Each case times several
 implementations of the same computation (best of N after warm-up) and reports the ratio of each peer's
 time to attngrad's, plus GB/s or TFLOP/s against the matching roofline. Results go to the terminal
@@ -50,7 +52,7 @@ class BenchCase:
     impls: dict[str, Callable[[], object]]
     bytes_moved: int | None = None  # memory-bound cases: bytes read + written
     flops: float | None = None  # compute-bound cases: effective FLOPs
-    roofline: str = "copy"  # "copy", "gemm_fp32", "gemm_bf16", or "none" (latency cases: a ratio only)
+    roofline: str = "copy"  # "copy", "gemm_fp32", "gemm_bf16", "gemm_bf16_best", or "none" (a ratio only)
     notes: str = ""
 
 
@@ -98,18 +100,56 @@ def best_time(fn: Callable[[], object], repeat: int, warmup: int = 1, budget_s: 
 
 
 def measure_rooflines(quick: bool) -> dict[str, float]:
-    """Copy bandwidth (read + write) and GEMM throughput of this machine, measured now."""
+    """Copy bandwidth (read + write) and GEMM throughput of this machine, measured now: fp32 the best of torch's
+    and numpy's GEMM, bf16 torch's native one, and ``gemm_bf16_best`` the better of that and the bf16 operands
+    widened to fp32 (widening included) on the fp32 GEMM: the bf16 roofline of a kernel free to take either."""
     n = (64 if quick else 256) * 2**20 // 4
     src, dst = torch.randn(n), torch.empty(n)
     t = best_time(lambda: dst.copy_(src), 5 if quick else 10)
     size = 1024 if quick else 2048
+    reps = 3 if quick else 5
     a32, b32 = torch.randn(size, size), torch.randn(size, size)
-    t32 = best_time(lambda: torch.mm(a32, b32), 3 if quick else 5)
+    a_np, b_np = a32.numpy(), b32.numpy()
+    t32 = min(best_time(lambda: torch.mm(a32, b32), reps), best_time(lambda: a_np @ b_np, reps))
     a16, b16 = a32.bfloat16(), b32.bfloat16()
-    t16 = best_time(lambda: torch.mm(a16, b16), 3 if quick else 5)
+    t16 = best_time(lambda: torch.mm(a16, b16), reps)
+    t16_widened = best_time(lambda: torch.mm(a16.float(), b16.float()), reps)
     flops = 2 * size**3
     return {"copy_gbps": 2 * n * 4 / t / 1e9, "gemm_fp32_tflops": flops / t32 / 1e12,
-            "gemm_bf16_tflops": flops / t16 / 1e12}
+            "gemm_bf16_tflops": flops / t16 / 1e12, "gemm_bf16_widened_tflops": flops / t16_widened / 1e12,
+            "gemm_bf16_best_tflops": flops / min(t16, t16_widened) / 1e12}
+
+
+def machine_info(recalibrate: bool = False) -> dict:
+    """The report's machine: CPU model, instruction sets, torch's thread count (the kernels' too), the GEMM path
+    per dtype (``recalibrate``: measured again, else from the calibration cache) with its timings."""
+    from .kernels import gemm_paths
+    from .kernels.threads import kernel_threads
+    from .machine import cpu_model, isa_flags
+
+    entry = gemm_paths.calibrate() if recalibrate else gemm_paths.calibration()
+    return {"cpu": cpu_model(), "isa": list(isa_flags()), "processor": platform.processor(),
+            "torch": torch.__version__, "threads": torch.get_num_threads(), "kernel_threads": kernel_threads(),
+            "cpus": os.cpu_count(),
+            "gemm_paths": {str(d).removeprefix("torch."): gemm_paths.gemm_path(d) for d in gemm_paths.CALIBRATED_DTYPES},
+            "gemm_path_forced": gemm_paths.forced_path() is not None,
+            "gemm_calibration": {k: entry[k] for k in ("measured", "paths", "microseconds")}}
+
+
+def machine_text(machine: dict) -> str:
+    """One line: CPU, ISA, threads and GEMM paths (the terminal's and the Markdown summary's header)."""
+    paths = ", ".join(f"{d} {p}" for d, p in machine["gemm_paths"].items())
+    source = ("forced by ATTNGRAD_GEMM_PATH" if machine["gemm_path_forced"]
+              else f"calibrated {machine['gemm_calibration']['measured']}")
+    return (f"CPU: {machine['cpu']} ({', '.join(machine['isa']) or 'no listed ISA extension'}), {machine['cpus']} "
+            f"CPUs; torch {machine['torch']}, {machine['threads']} threads (kernels: {machine['kernel_threads']}); "
+            f"GEMM paths: {paths} ({source})")
+
+
+def rooflines_text(r: dict[str, float]) -> str:
+    return (f"copy {r['copy_gbps']:.1f} GB/s, fp32 GEMM {r['gemm_fp32_tflops']:.2f} TFLOP/s, bf16 GEMM "
+            f"{r['gemm_bf16_tflops']:.2f} TFLOP/s native, {r['gemm_bf16_widened_tflops']:.2f} TFLOP/s widened to fp32 "
+            f"(best {r['gemm_bf16_best_tflops']:.2f})")
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,6 +184,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--size", action="append",
                         help="case label substring, e.g. 'S2048' or '[4, 16, 512, 1024]' (repeatable)")
     parser.add_argument("--out", default="bench-results", help="folder for the JSON file and plots")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure again which GEMM path (native or widened fp32) the bf16 / fp16 kernels take "
+                             "on this machine (cached per machine), and show the timings")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--first-call", action=argparse.BooleanOptionalAction, default=None,
                         help="first-call latency per operator in fresh processes, cold and cached numba cache "
@@ -177,8 +220,7 @@ def _render(results: list[BenchResult], rooflines: dict[str, float], console) ->
         else:
             rate = "-"
         table.add_row(r.case.op, row["dtype"], r.case.label, f"{r.seconds[ours] * 1e3:.2f}", peers, rate)
-    console.print(f"rooflines: copy {rooflines['copy_gbps']:.1f} GB/s, fp32 GEMM "
-                  f"{rooflines['gemm_fp32_tflops']:.2f} TFLOP/s, bf16 GEMM {rooflines['gemm_bf16_tflops']:.2f} TFLOP/s")
+    console.print(f"rooflines: {rooflines_text(rooflines)}")
     console.print(table)
 
 
@@ -221,10 +263,9 @@ def _plot(results: list[BenchResult], rooflines: dict[str, float], out: Path) ->
 
 def markdown_summary(report: dict) -> str:
     """The report as Markdown tables (the tables of docs/performance.md are pasted from it)."""
-    r = report["rooflines"]
-    lines = [f"Rooflines measured first: copy {r['copy_gbps']:.1f} GB/s, fp32 GEMM {r['gemm_fp32_tflops']:.2f} TFLOP/s, "
-             f"bf16 GEMM {r['gemm_bf16_tflops']:.2f} TFLOP/s. Memory-bound cases are rated against a copy of "
-             "the same bytes timed in the same rounds.", "",
+    lines = [machine_text(report["machine"]) + ".", "",
+             f"Rooflines measured first: {rooflines_text(report['rooflines'])}. Memory-bound cases are rated "
+             "against a copy of the same bytes timed in the same rounds.", "",
              "| operator | dtype | case | attngrad ms | % of roofline | peers: ms (speed-up of attngrad) |",
              "|---|---|---|---|---|---|"]
     for row in report["results"]:
@@ -313,6 +354,19 @@ def _render_first_calls(rows: list[dict], console) -> None:
         table.add_column(col)
     for r in rows:
         table.add_row(r["op"], f"{r['import_s']:.2f}", f"{r['cold_s']:.2f}", f"{r['cached_s']:.2f}")
+    console.print(table)
+
+
+def _render_calibration(calibration: dict, console) -> None:
+    from rich.table import Table
+
+    from .kernels.gemm_paths import NATIVE, WIDENED
+
+    table = Table(title="GEMM-path calibration: one backward tile set at head dim 128, single thread, best of N")
+    for col in ("dtype", "native us", "widened fp32 us", "calibrated choice"):
+        table.add_column(col)
+    for dtype, t in calibration["microseconds"].items():
+        table.add_row(dtype, f"{t[NATIVE]:.0f}", f"{t[WIDENED]:.0f}", calibration["paths"][dtype])
     console.print(table)
 
 
@@ -416,12 +470,15 @@ def run_bench(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     first_call = (not args.quick) if args.first_call is None else args.first_call
+    machine = machine_info(args.calibrate)
+    console = _console()
+    console.print(machine_text(machine))
+    if args.calibrate:
+        _render_calibration(machine["gemm_calibration"], console)
     rooflines = measure_rooflines(args.quick)
     cases = collect_cases(args)
     repeat = args.repeat or (3 if args.quick else 10)
-    report = {"machine": {"processor": platform.processor(), "torch": torch.__version__,
-                          "threads": torch.get_num_threads(), "cpus": os.cpu_count()},
-              "options": {"quick": args.quick, "repeat": repeat}, "rooflines": rooflines}
+    report = {"machine": machine, "options": {"quick": args.quick, "repeat": repeat}, "rooflines": rooflines}
     with Progress(transient=True) as progress:
         results = _time_cases(cases, repeat, progress)
         report["results"] = [r.to_json(rooflines) for r in results]
@@ -431,7 +488,6 @@ def run_bench(args) -> int:
             from .benchmarks import bench_scaling
 
             report["scaling"] = bench_scaling.run(args, progress)
-    console = _console()
     _render(results, rooflines, console)
     if first_call:
         _render_first_calls(report["first_call"], console)

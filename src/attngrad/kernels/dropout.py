@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from .threads import on_torch_threads
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
@@ -53,6 +55,7 @@ def _splitmix64_py(x: int) -> int:
     return z ^ (z >> 31)
 
 
+@on_torch_threads
 def generate_drop_mask(seed: int, offset: int, numels: int, keep_prob: float) -> torch.Tensor:
     """uint8 ``[ceil(numels / 8)]``: the keep mask of elements ``0 .. numels-1`` (module docstring rule)."""
     base = (_splitmix64_py(int(seed) & _MASK64) + int(offset)) & _MASK64

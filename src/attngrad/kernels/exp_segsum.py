@@ -40,6 +40,7 @@ from numba import njit, prange
 
 from .numeric import (FASTMATH, aligned_empty, array_at, copy_row, exp_for, narrow, narrow_ftz, narrow_ftz_flushes,
                       prefer_512_bit_vectors, prefetch_bytes, row_address, stream_fence, widen)
+from .threads import on_torch_threads
 
 
 # The forward's compensated sums need IEEE addition order: no reassociation (it would cancel the compensation).
@@ -114,6 +115,7 @@ def _width(i, padded):
     return min(padded, (i // _LANES + 1) * _LANES)
 
 
+@on_torch_threads
 @njit(parallel=True, fastmath=_ORDERED, cache=True)
 def exp_segsum_forward(x, splits, stream, out):
     """x ``[A, B, C, T]`` -> out ``[A, B, C, T, T]`` (any strides), fp32 sums and exp. ``stream``: out's rows are
@@ -233,6 +235,7 @@ def _sweep(go, gs, j0, j1, totals, go_next, gs_next):
         i -= 1
 
 
+@on_torch_threads
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def exp_segsum_backward(grad_output, grad_self, splits, grad_input):
     """grad_output, grad_self ``[A, B, C, T, T]`` (unit-stride rows) -> grad_input ``[A, B, C, T]`` (any strides).

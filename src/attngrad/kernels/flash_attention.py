@@ -76,10 +76,12 @@ from numba import njit, prange, set_parallel_chunksize, types
 from numba.extending import overload
 
 from .flash_attention_plan import MASKED_LOGIT, AttentionPlan
+from .gemm_paths import CALIBRATED_DTYPES, WIDENED, gemm_path
 from .gemm import BRGEMM_DTYPES, NO_TRANS, TRANS, brgemm, brgemm_release, gemm
 from .numeric import (FASTMATH, LOG2E, aligned_empty, array_at, exp2_32, exp32, fmaximum, narrow, narrow_ftz,
                       prefer_512_bit_vectors, row_address, widen)
 from .tensor_view import kernel_view, new_output
+from .threads import on_torch_threads
 
 _NEG = np.float32(MASKED_LOGIT)
 _FLT_MAX = np.float32(-MASKED_LOGIT)
@@ -976,6 +978,7 @@ def _forward_operands(q: torch.Tensor, qv: np.ndarray, kv: np.ndarray, vv: np.nd
     return ForwardOperands(qv, kv, vv, kt, vt, True, *rope)
 
 
+@on_torch_threads
 def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=None, softmax_sum=None,
                             rope=None):
     """Returns ``(out [B,N1,Sq,Dv] input dtype, softmax_max [B,N1,Sq] fp32, softmax_sum [B,N1,Sq] fp32)``.
@@ -1003,8 +1006,12 @@ def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=
 
 
 def _widened(plan: AttentionPlan, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The inputs as the GEMMs take them: float32 copies with ``plan.widen_gemm`` (once per call), else as given."""
-    return tuple(t.float() for t in tensors) if plan.widen_gemm else tensors
+    """The inputs as the GEMMs take them: float32 copies (once per call) with ``plan.widen_gemm`` or where this
+    machine multiplies bfloat16 / float16 faster on widened tiles (:func:`.gemm_paths.gemm_path`; P and dS are
+    still rounded as ``plan.round_probs`` says, so only the accumulation order differs), else as given."""
+    dtype = tensors[0].dtype
+    widen = plan.widen_gemm or (dtype in CALIBRATED_DTYPES and gemm_path(dtype) == WIDENED)
+    return tuple(t.float() for t in tensors) if widen else tensors
 
 
 def _transposed_operands(q: torch.Tensor, dy: torch.Tensor, packed: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -1040,6 +1047,7 @@ def _dpse_split(plan: AttentionPlan, b: int) -> tuple[int, bool]:
     return (b if plan.pse.shape[0] > 1 else 1), plan.pse_compressed
 
 
+@on_torch_threads
 def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: AttentionPlan,
                              with_dpse: bool = False, dq=None, dk=None, dv=None, rope=None, rope_into=None):
     """Returns ``(dq, dk, dv, dpse, dq_rope, dk_rope)``: dq/dk/dv shaped like q, k, v in the input dtype (module

@@ -35,6 +35,7 @@ from numba.extending import intrinsic, overload
 from .numeric import (FASTMATH, LOG2E, NO_POSITIVE, aligned_empty, copy_row, exp2_nonpositive, fmax_any_nan, narrow,
                       narrow_ftz, narrow_ftz_exact, prefer_512_bit_vectors, prefetch_bytes, row_address, stream_fence,
                       track_flushable, widen)
+from .threads import on_torch_threads
 
 MASK_VALUE = np.float32(-10000.0)  # CANN fills masked logits with -10000, not -inf
 _ROWS_PER_TASK = 64
@@ -243,6 +244,7 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, stre
     _put_row(y, y_address, _row_of(b0, n0, s0, mask), out, out_address, stream)
 
 
+@on_torch_threads
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def scaled_masked_softmax_forward(x, mask, scale, round_scaled, stream, y):
     """y = softmax(where(mask, -10000, x * scale)) over the last axis, fp32 math.
@@ -302,6 +304,7 @@ def _backward_block(grad_output, y, mask, scale, out, first, last, row_out, stre
         b, n, s = b1, n1, s1
 
 
+@on_torch_threads
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def scaled_masked_softmax_backward(grad_output, y, mask, scale, stream, out):
     """out = where(mask, 0, (dy - sum(dy * y)) * y * scale); the row sum runs over ALL positions. ``stream``:

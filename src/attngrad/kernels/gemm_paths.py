@@ -1,0 +1,214 @@
+"""Which GEMM the bfloat16 and float16 kernels run on this machine: ``native`` or ``widened_fp32``.
+
+* ``native``: the GEMM of the input dtype, fp32 accumulation (:mod:`.gemm`: torch's brgemm where it serves the
+  dtype, else MKL's mixed-precision GEMM);
+* ``widened_fp32``: the tiles widened to float32 (exact) and multiplied by the float32 GEMM (brgemm or MKL sgemm).
+
+Both keep the precision contract (exact products, fp32 accumulation); which is faster depends on the CPU: without
+AMX or AVX512-BF16, MKL's bfloat16 GEMM can run at half the float32 rate. float32 is always ``native``.
+
+The choice is measured once per machine (:func:`calibrate`, a few hundred ms): one backward tile's five GEMMs at
+head dim 128 (the kernels' ``[256, 256, 128]`` score, ``[128, 256, 256]`` dK/dV and ``[256, 128, 256]`` dQ
+products), called single-threaded through the same numba/MKL entries as the kernels, best of interleaved rounds;
+the widened timing includes widening both operands of every product (the kernels widen some once per key block,
+so this favours ``native``), the native brgemm timing the VNNI packing of B. ``widened_fp32`` is chosen when it is
+at least ``_MARGIN`` faster, so that near ties stay native. The result is cached on disk (:func:`cache_path`, JSON)
+under a key of the CPU model, its instruction sets and the torch, MKL and attngrad versions; a missing, corrupted or
+foreign cache file means a new measurement, never an error. ``ATTNGRAD_GEMM_PATH=native|widened_fp32`` forces a
+path for both dtypes (``auto`` or unset: the calibration); ``attngrad bench --calibrate`` measures again.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import importlib.metadata
+import json
+import os
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from numba import njit
+
+from ..machine import cpu_model, isa_flags
+from .gemm import BRGEMM_DTYPES, NO_TRANS, brgemm, gemm
+from .numeric import widen
+
+ENV = "ATTNGRAD_GEMM_PATH"
+NATIVE, WIDENED = "native", "widened_fp32"
+PATHS = (NATIVE, WIDENED)
+CALIBRATED_DTYPES = (torch.bfloat16, torch.float16)
+_FORMAT = 1
+_MARGIN = 0.9  # widened_fp32 is chosen when it takes at most this fraction of the native time
+_TILE_SET = ((256, 256, 128), (256, 256, 128), (128, 256, 256), (128, 256, 256), (256, 128, 256))  # (m, n, k)
+_ROUNDS = 12
+_KERNEL_BITS = {torch.bfloat16: np.uint16, torch.float16: np.int16}
+
+
+def gemm_path(dtype: torch.dtype) -> str:
+    """``native`` or ``widened_fp32`` for the kernels' GEMMs on ``dtype`` tiles (float32: ``native``)."""
+    forced = forced_path()
+    if dtype not in CALIBRATED_DTYPES:
+        return NATIVE
+    if forced is not None:
+        return forced
+    return calibration()["paths"][str(dtype).removeprefix("torch.")]
+
+
+def forced_path() -> str | None:
+    """The path ``ATTNGRAD_GEMM_PATH`` forces, None when it is unset or ``auto``."""
+    value = os.environ.get(ENV, "auto").strip().lower()
+    if value == "auto":
+        return None
+    if value not in PATHS:
+        raise ValueError(f"{ENV} must be one of {', '.join(PATHS)} or auto, got {os.environ[ENV]!r}")
+    return value
+
+
+def cache_path() -> Path:
+    """``$XDG_CACHE_HOME/attngrad/gemm_paths.json`` (default ``~/.cache/attngrad/gemm_paths.json``)."""
+    root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(root) / "attngrad" / "gemm_paths.json"
+
+
+def machine_key() -> dict:
+    """What the measurement depends on: CPU model and ISA, torch, MKL and attngrad versions."""
+    return {"cpu": cpu_model(), "isa": list(isa_flags()), "torch": torch.__version__,
+            "mkl": _version("mkl"), "attngrad": _version("attngrad")}
+
+
+def _version(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@functools.cache
+def calibration() -> dict:
+    """This machine's entry (``paths``: dtype name -> path; ``microseconds``: the timings), from the cache when
+    it holds one for :func:`machine_key`, else measured now and saved."""
+    key = machine_key()
+    entry = _load_entries().get(_key_text(key))
+    if _valid(entry):
+        return entry
+    return _measure_and_save(key)
+
+
+def calibrate() -> dict:
+    """Measure again (whatever the cache holds), save and return the entry."""
+    calibration.cache_clear()
+    entry = _measure_and_save(machine_key())
+    calibration.cache_clear()
+    return entry
+
+
+def _key_text(key: dict) -> str:
+    return json.dumps(key, sort_keys=True)
+
+
+def _valid(entry) -> bool:
+    if not isinstance(entry, dict) or not isinstance(entry.get("paths"), dict):
+        return False
+    return all(entry["paths"].get(str(d).removeprefix("torch.")) in PATHS for d in CALIBRATED_DTYPES)
+
+
+def _load_entries() -> dict:
+    """The cache file's entries; {} when it is missing or unreadable (then it is rewritten)."""
+    try:
+        data = json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict) or data.get("format") != _FORMAT or not isinstance(data.get("entries"), dict):
+        return {}
+    return data["entries"]
+
+
+def _measure_and_save(key: dict) -> dict:
+    timings = {str(d).removeprefix("torch."): measure(d) for d in CALIBRATED_DTYPES}
+    entry = {"key": key, "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             "paths": {d: WIDENED if t[WIDENED] <= _MARGIN * t[NATIVE] else NATIVE for d, t in timings.items()},
+             "microseconds": timings}
+    entries = _load_entries()
+    entries[_key_text(key)] = entry
+    _write_atomically(cache_path(), json.dumps({"format": _FORMAT, "entries": entries}, indent=1))
+    return entry
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write through a temporary file and a rename, so a reader never sees half a file; a cache that cannot be
+    written only costs a new measurement in the next process."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=path.name, suffix=".tmp",
+                                         delete=False) as f:
+            f.write(text)
+        os.replace(f.name, path)
+    except OSError as exc:
+        warnings.warn(f"attngrad: could not save the GEMM-path calibration to {path}: {exc}", stacklevel=3)
+
+
+# ----------------------------------------------------------------------------------------------- measurement
+def measure(dtype: torch.dtype) -> dict[str, float]:
+    """Microseconds of one backward tile set (module docstring) on each path, best of ``_ROUNDS`` interleaved
+    rounds, on ``dtype`` (bfloat16 or float16) tiles."""
+    rng = np.random.default_rng(0)
+    bits = _KERNEL_BITS[dtype]
+    tiles = []
+    for m, n, k in _TILE_SET:
+        a, b = (torch.from_numpy(rng.standard_normal(s, dtype=np.float32)).to(dtype).view(torch.int16).numpy()
+                .view(bits) for s in ((m, k), (k, n)))
+        tiles.append((a, b, np.empty((k // 2, n), np.uint32), np.empty((m, k), np.float32),
+                      np.empty((k, n), np.float32), np.empty((m, n), np.float32)))
+    brgemm_native = dtype in BRGEMM_DTYPES
+    brgemm_widened = torch.float32 in BRGEMM_DTYPES
+    runs = {NATIVE: lambda t: _native_product(*t, brgemm_native),
+            WIDENED: lambda t: _widened_product(*t, brgemm_widened)}
+    best = dict.fromkeys(runs, float("inf"))
+    for name, run in runs.items():  # warm-up: compilation, MKL's first-call set-up
+        for t in tiles:
+            run(t)
+    for round_ in range(_ROUNDS):
+        for name in (PATHS if round_ % 2 == 0 else PATHS[::-1]):
+            start = time.perf_counter()
+            for t in tiles:
+                runs[name](t)
+            best[name] = min(best[name], time.perf_counter() - start)
+    return {name: round(seconds * 1e6, 1) for name, seconds in best.items()}
+
+
+@njit(cache=True, nogil=True)
+def _native_product(a, b, b_pairs, a32, b32, c, on_brgemm):
+    """c = a b on the dtype's own GEMM: brgemm with b packed in VNNI pairs (packing included), else MKL."""
+    m, k = a.shape
+    n = b.shape[1]
+    if on_brgemm:
+        sixteen = np.uint32(16)
+        for r2 in range(k // 2):
+            for j in range(n):
+                b_pairs[r2, j] = np.uint32(b[2 * r2, j]) | (np.uint32(b[2 * r2 + 1, j]) << sixteen)
+        brgemm(a, m, n, k, (a.ctypes.data, k), (b_pairs.ctypes.data, n), (c.ctypes.data, n), False)
+    else:
+        gemm(a, NO_TRANS, NO_TRANS, m, n, k, (a.ctypes.data, k), (b.ctypes.data, n), (c.ctypes.data, n), False)
+
+
+@njit(cache=True, nogil=True)
+def _widened_product(a, b, b_pairs, a32, b32, c, on_brgemm):
+    """c = a b with both operands widened to float32 (included) and the float32 brgemm or MKL sgemm."""
+    m, k = a.shape
+    n = b.shape[1]
+    for i in range(m):
+        for j in range(k):
+            a32[i, j] = widen(a[i, j])
+    for i in range(k):
+        for j in range(n):
+            b32[i, j] = widen(b[i, j])
+    if on_brgemm:
+        brgemm(a32, m, n, k, (a32.ctypes.data, k), (b32.ctypes.data, n), (c.ctypes.data, n), False)
+    else:
+        gemm(a32, NO_TRANS, NO_TRANS, m, n, k, (a32.ctypes.data, k), (b32.ctypes.data, n), (c.ctypes.data, n),
+             False)

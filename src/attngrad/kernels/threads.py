@@ -1,0 +1,54 @@
+"""The numba kernels run on torch's thread count: ``torch.get_num_threads()`` at call time.
+
+So ``torch.set_num_threads`` (and ``OMP_NUM_THREADS``, which sets torch's count at start-up) governs attngrad as
+it governs torch: a data-loader worker or one process per rank that limits torch limits attngrad too. The count
+is capped by numba's pool, which numba starts with ``NUMBA_NUM_THREADS`` threads (default: the machine's cores,
+whatever ``OMP_NUM_THREADS`` says, so a later ``torch.set_num_threads`` can raise the count up to the cores).
+
+:func:`on_torch_threads` wraps a kernel's launch: numba's count of the calling thread (a per-thread setting) is set
+to torch's for the call and restored after it. MKL is unaffected: the kernels call it single-threaded from their
+numba workers (:mod:`.gemm`). Every kernel's results are the same bits for any thread count (their task splits
+depend on the shapes only).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numba
+import torch
+from numba.np.ufunc import parallel as _parallel
+
+
+def kernel_threads() -> int:
+    """The thread count of a kernel launched now: torch's, within ``[1, NUMBA_NUM_THREADS]``."""
+    return max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+
+
+@functools.cache
+def _count_functions():
+    """numba's getter and setter of the calling thread's count: the threading layer's own functions (numba's
+    public ``get_num_threads`` / ``set_num_threads`` re-check the pool on every call, 2-3 us each) where numba
+    exposes them, else the public ones. Starts numba's pool."""
+    _parallel._launch_threads()
+    return (getattr(_parallel, "_get_num_threads", numba.get_num_threads),
+            getattr(_parallel, "_set_num_threads", numba.set_num_threads))
+
+
+def on_torch_threads(launch):
+    """Decorator: ``launch`` (a kernel or the Python function that launches kernels) runs with numba's count of the
+    calling thread set to :func:`kernel_threads`, restored afterwards."""
+
+    @functools.wraps(launch)
+    def run(*args, **kwargs):
+        get_count, set_count = _count_functions()
+        threads, previous = kernel_threads(), get_count()
+        if threads == previous:
+            return launch(*args, **kwargs)
+        set_count(threads)
+        try:
+            return launch(*args, **kwargs)
+        finally:
+            set_count(previous)
+
+    return run

@@ -1,0 +1,139 @@
+"""GEMM-path choice per machine: the environment override, the calibration's rule and its on-disk cache."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from attngrad.kernels import gemm_paths
+from attngrad.kernels.gemm_paths import NATIVE, WIDENED, calibrate, calibration, gemm_path
+from attngrad.machine import isa_flags
+from helpers import attention_inputs
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache(tmp_path, monkeypatch):
+    """Each test: an empty cache folder, no override, no calibration remembered by this process."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv(gemm_paths.ENV, raising=False)
+    calibration.cache_clear()
+    yield
+    calibration.cache_clear()
+
+
+@pytest.fixture
+def fake_timings(monkeypatch):
+    """Replace the measurement by fixed timings (widened faster for float16 only) and count the measurements."""
+    calls = []
+
+    def measure(dtype):
+        calls.append(dtype)
+        return {NATIVE: 100.0, WIDENED: 50.0 if dtype == torch.float16 else 95.0}
+
+    monkeypatch.setattr(gemm_paths, "measure", measure)
+    return calls
+
+
+@pytest.mark.parametrize("path", [NATIVE, WIDENED])
+def test_environment_forces_the_path(path, monkeypatch, fake_timings):
+    monkeypatch.setenv(gemm_paths.ENV, path.upper())
+    assert gemm_path(torch.bfloat16) == gemm_path(torch.float16) == path
+    assert gemm_path(torch.float32) == NATIVE
+    assert fake_timings == []  # forcing measures nothing
+
+
+def test_bad_environment_value_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv(gemm_paths.ENV, "fastest")
+    with pytest.raises(ValueError, match="ATTNGRAD_GEMM_PATH must be one of native, widened_fp32 or auto"):
+        gemm_path(torch.bfloat16)
+
+
+def test_auto_takes_the_calibration_and_its_margin(monkeypatch, fake_timings):
+    monkeypatch.setenv(gemm_paths.ENV, "auto")
+    assert gemm_path(torch.float16) == WIDENED
+    assert gemm_path(torch.bfloat16) == NATIVE  # 5% faster is inside the margin: stays native
+    assert fake_timings == [torch.bfloat16, torch.float16]  # measured once for the process
+
+
+def test_cache_round_trip(fake_timings):
+    entry = calibration()
+    saved = json.loads(gemm_paths.cache_path().read_text())
+    assert list(saved["entries"].values()) == [entry]
+    assert entry["key"]["isa"] == list(isa_flags()) and entry["key"]["torch"] == torch.__version__
+    calibration.cache_clear()
+    assert calibration() == entry and len(fake_timings) == 2  # read back, not measured again
+    assert calibrate()["paths"] == entry["paths"] and len(fake_timings) == 4  # --calibrate measures again
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"format": 1, "entries": []}', "[]", "",
+                                     '{"format": 1, "entries": {"KEY": {"paths": {"bfloat16": "fast"}}}}'])
+def test_corrupted_cache_is_measured_again(content, fake_timings):
+    path = gemm_paths.cache_path()
+    path.parent.mkdir(parents=True)
+    path.write_text(content.replace("KEY", gemm_paths._key_text(gemm_paths.machine_key()).replace('"', '\\"')))
+    assert gemm_path(torch.float16) == WIDENED and len(fake_timings) == 2
+    assert json.loads(path.read_text())["entries"]  # rewritten whole
+
+
+def test_other_machines_entries_are_kept(fake_timings):
+    path = gemm_paths.cache_path()
+    path.parent.mkdir(parents=True)
+    other = {"paths": {"bfloat16": WIDENED, "float16": WIDENED}}
+    path.write_text(json.dumps({"format": 1, "entries": {"another cpu": other}}))
+    calibration()
+    assert json.loads(path.read_text())["entries"]["another cpu"] == other
+
+
+def test_unwritable_cache_warns_and_still_answers(tmp_path, monkeypatch, fake_timings):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    with pytest.warns(UserWarning, match="could not save"):
+        assert gemm_path(torch.float16) == WIDENED
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_measurement_runs_both_paths(dtype):
+    timings = gemm_paths.measure(dtype)
+    assert set(timings) == {NATIVE, WIDENED} and all(t > 0 for t in timings.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_both_paths_compute_the_same_product(dtype):
+    """Widening is exact and both accumulate in fp32: the two paths give the same product (to fp32 rounding)."""
+    a, b = (torch.randn(s).to(dtype) for s in ((64, 32), (32, 48)))
+    bits = gemm_paths._KERNEL_BITS[dtype]
+    av, bv = (t.view(torch.int16).numpy().view(bits) for t in (a, b))
+    results = []
+    for product, on_brgemm in ((gemm_paths._native_product, dtype in gemm_paths.BRGEMM_DTYPES),
+                               (gemm_paths._widened_product, torch.float32 in gemm_paths.BRGEMM_DTYPES)):
+        c = torch.empty(64, 48)
+        product(av, bv, torch.empty(16, 48, dtype=torch.int32).numpy().view("uint32"), torch.empty(64, 32).numpy(),
+                torch.empty(32, 48).numpy(), c.numpy(), on_brgemm)
+        results.append(c)
+    expected = a.double() @ b.double()
+    for c in results:
+        torch.testing.assert_close(c.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_flash_attention_takes_the_forced_path(dtype, monkeypatch):
+    """Both paths round P and dS to the input dtype and accumulate in fp32: same results up to the
+    accumulation order, and each path is deterministic."""
+    import attngrad
+
+    q, k, v, dy = attention_inputs("BNSD", 1, 2, 1, 40, 72, 16, 16, dtype, seed=3)
+    kw = dict(atten_mask=torch.ones(2048, 2048, dtype=torch.bool).triu(1), sparse_mode=2, scale_value=0.25)
+    results = {}
+    for path in (NATIVE, WIDENED, WIDENED):
+        monkeypatch.setenv(gemm_paths.ENV, path)
+        out, smax, ssum = attngrad.flash_attention_score(q, k, v, 2, "BNSD", **kw)
+        grads = attngrad.flash_attention_score_grad(q, k, v, dy, 2, "BNSD", softmax_max=smax, softmax_sum=ssum,
+                                                    attention_in=out, **kw)[:3]
+        if path in results:
+            assert all(torch.equal(a, b) for a, b in zip(results[path], (out, *grads)))
+        results[path] = (out, *grads)
+    for native, widened in zip(results[NATIVE], results[WIDENED]):
+        torch.testing.assert_close(widened.float(), native.float(), rtol=1e-2, atol=1e-2)

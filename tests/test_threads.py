@@ -1,0 +1,78 @@
+"""The kernels run on torch's thread count (``torch.set_num_threads``), capped by numba's pool, and restore
+numba's own setting afterwards; MKL stays single-threaded inside them."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numba
+import pytest
+import torch
+
+import attngrad
+from attngrad.kernels import dropout, exp_segsum, flash_attention, gemm, scaled_masked_softmax
+from attngrad.kernels.threads import kernel_threads, on_torch_threads
+
+from helpers import torch_threads
+
+
+@on_torch_threads
+def _numba_count():
+    return numba.get_num_threads()
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_numba_follows_torch_and_is_restored(n):
+    before = numba.get_num_threads()
+    with torch_threads(n):
+        assert kernel_threads() == min(n, numba.config.NUMBA_NUM_THREADS)
+        assert _numba_count() == kernel_threads()
+    assert numba.get_num_threads() == before
+
+
+def test_count_is_capped_by_numba_pool():
+    with torch_threads(numba.config.NUMBA_NUM_THREADS + 3):
+        assert _numba_count() == numba.config.NUMBA_NUM_THREADS
+
+
+def test_restored_when_the_kernel_raises():
+    @on_torch_threads
+    def failing():
+        raise ValueError("boom")
+
+    before = numba.get_num_threads()
+    with torch_threads(1), pytest.raises(ValueError):
+        failing()
+    assert numba.get_num_threads() == before
+
+
+@pytest.mark.parametrize("launch", [flash_attention.flash_attention_forward, flash_attention.flash_attention_backward,
+                                    exp_segsum.exp_segsum_forward, exp_segsum.exp_segsum_backward,
+                                    scaled_masked_softmax.scaled_masked_softmax_forward,
+                                    scaled_masked_softmax.scaled_masked_softmax_backward,
+                                    dropout.generate_drop_mask])
+def test_every_launch_point_follows_torch(launch):
+    assert launch.__code__ is _numba_count.__code__  # the wrapper of on_torch_threads
+
+
+def test_flash_attention_tasks_run_on_torch_threads(monkeypatch):
+    """The task-parallel kernels of a forward and a backward launched after torch.set_num_threads(1) see one
+    numba thread."""
+    seen = []
+    dynamic = flash_attention._dynamic
+
+    def spy(kernel, *args):
+        seen.append(numba.get_num_threads())
+        dynamic(kernel, *args)
+
+    monkeypatch.setattr(flash_attention, "_dynamic", spy)
+    q, k, v = (torch.randn(1, 64, 2, 32, requires_grad=True) for _ in range(3))
+    with torch_threads(1):
+        attngrad.flash_attn_func(q, k, v).sum().backward()
+    assert seen == [1, 1]
+
+
+def test_mkl_is_sequential():
+    mkl = ctypes.CDLL(str(gemm._mkl_rt_path()))
+    with torch_threads(2):
+        assert mkl.MKL_Get_Max_Threads() == 1
