@@ -11,7 +11,8 @@ thread (``NUMBA_NUM_THREADS`` / ``OMP_NUM_THREADS`` set before import) and a glo
   short sequence first), the largest over the ranks. glibc's mmap threshold is fixed at 64 KiB in the
   children (``MALLOC_MMAP_THRESHOLD_``), so that freed buffers leave the RSS and the peak counts live
   bytes: with the default dynamic threshold, freed buffers of a few MiB stay in the heap, and a figure
-  then depends on the order of allocations as much as on their size;
+  then depends on the order of allocations as much as on their size (the setting slows the steps, so the
+  timing runs go without it);
 * time: cp = 2 with one thread per rank against one process with two threads at S = 8192 (``--quick``:
   2048), best of :data:`TIME_REPEATS` steps (a barrier before each; the slowest rank's time).
 
@@ -114,10 +115,12 @@ def rank_step(rank: str, world: str, store: str, s: str, dtype: str, repeats: st
     return {"peak_bytes": peak, "seconds": best}
 
 
-def measure(cp: int, s: int, dtype: str, threads: int = 1, repeats: int = 1, timeout: float = 1800) -> dict:
+def measure(cp: int, s: int, dtype: str, threads: int = 1, repeats: int = 1, memory: bool = True,
+            timeout: float = 1800) -> dict:
     """One run of ``cp`` ranks (child processes of ``threads`` threads each) at global length ``s``: the
-    largest peak memory and the slowest best step over the ranks."""
-    env = {**os.environ, **{name: str(threads) for name in THREAD_VARIABLES}, **MALLOC}
+    largest peak memory and the slowest best step over the ranks. ``memory``: with :data:`MALLOC` (its
+    page faults slow the steps several times: timing runs leave malloc alone)."""
+    env = {**os.environ, **{name: str(threads) for name in THREAD_VARIABLES}, **(MALLOC if memory else {})}
     with tempfile.TemporaryDirectory(prefix="attngrad-ring-") as tmp:
         store = os.path.join(tmp, "store")
         procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(r), str(cp), store, str(s), dtype,
@@ -166,7 +169,8 @@ def run(args, progress=None) -> dict:
     rows = [step(f"memory cp={cp} S={s} {dtype}", lambda cp=cp, s=s, dtype=dtype: measure(cp, s, dtype))
             for cp, s, dtype in memory]
     times = [step(f"time cp={cp} x {threads} thread(s) S={time_s} {dtype}",
-                  lambda cp=cp, threads=threads, dtype=dtype: measure(cp, time_s, dtype, threads, TIME_REPEATS))
+                  lambda cp=cp, threads=threads, dtype=dtype: measure(cp, time_s, dtype, threads, TIME_REPEATS,
+                                                                      memory=False))
              for cp, threads, dtype in timing]
     return {"shape": f"B{BATCH} N{HEADS} D{HEAD_DIM} {LAYOUT} causal zigzag", "memory": rows, "timing": times,
             "ratios": ratios(rows, times)}
@@ -189,13 +193,13 @@ def render(ring: dict, console) -> None:
 
     table = Table(title=f"ring attention forward + backward ({ring['shape']}): peak RSS rise per rank "
                         "(largest rank), 1 thread per rank")
-    for col in ("cp", "dtype", "S", "peak MiB", "of cp=1", "step s"):
+    for col in ("cp", "dtype", "S", "peak MiB", "of cp=1"):
         table.add_column(col)
     fractions = ring["ratios"]["memory_per_rank_over_single"]
     for r in ring["memory"]:
         fraction = fractions.get(f"cp{r['cp']} {r['dtype']} S{r['s']}")
         table.add_row(str(r["cp"]), r["dtype"], str(r["s"]), f"{r['peak_bytes'] / 2**20:.0f}",
-                      "-" if fraction is None else f"{fraction:.2f}", f"{r['seconds']:.2f}")
+                      "-" if fraction is None else f"{fraction:.2f}")
     console.print(table)
     for t in ring["timing"]:
         console.print(f"time S={t['s']} {t['dtype']}: cp={t['cp']} x {t['threads_per_rank']} thread(s) "
