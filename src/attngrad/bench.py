@@ -467,6 +467,8 @@ def run_bench(args) -> int:
         require_extra("matplotlib", "plot", " (or pass --no-plots)")
     from rich.progress import Progress
 
+    from .benchmarks import bench_ring
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     first_call = (not args.quick) if args.first_call is None else args.first_call
@@ -476,7 +478,7 @@ def run_bench(args) -> int:
     if args.calibrate:
         _render_calibration(machine["gemm_calibration"], console)
     rooflines = measure_rooflines(args.quick)
-    cases = collect_cases(args)
+    cases = [] if bench_ring.selected_alone(args) else collect_cases(args)
     repeat = args.repeat or (3 if args.quick else 10)
     report = {"machine": machine, "options": {"quick": args.quick, "repeat": repeat}, "rooflines": rooflines}
     with Progress(transient=True) as progress:
@@ -488,15 +490,21 @@ def run_bench(args) -> int:
             from .benchmarks import bench_scaling
 
             report["scaling"] = bench_scaling.run(args, progress)
+        if bench_ring.selected(args):
+            report["ring"] = bench_ring.run(args, progress)
     _render(results, rooflines, console)
     if first_call:
         _render_first_calls(report["first_call"], console)
     if args.scaling:
         bench_scaling.render(report["scaling"], console)
+    if "ring" in report:
+        bench_ring.render(report["ring"], console)
     (out / "bench.json").write_text(json.dumps(report, indent=2))
     (out / "bench.md").write_text(markdown_summary(report))
     plots = [] if args.no_plots else _plot(results, rooflines, out)
     if args.scaling and not args.no_plots:
         plots.append(bench_scaling.plot(report["scaling"], out / "scaling.png"))
+    if "ring" in report and not args.no_plots:
+        plots.append(bench_ring.plot(report["ring"], out / "ring.png"))
     console.print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + "".join(f", {p}" for p in plots))
     return 0

@@ -34,6 +34,7 @@ STATS_COPIES = 8                                        # softmax_max / softmax_
 CAUSAL_SPARSE_MODE = 3                                  # right-down causal; equals left-up when Sq == Skv
 PASSED_THROUGH = ("pse", "pse_type", "q_start_idx", "kv_start_idx", "inner_precise")
 ALIBI_PSE_TYPES = (2, 3)                                # generated alibi: shardable by start indices
+CALL_PARTS = 2                                          # flash attention calls per shard piece (call_pieces)
 
 
 class RingCommunicationError(RuntimeError):
@@ -268,23 +269,34 @@ class Block:
 
 
 def _visible(q_piece, kv_piece, causal: bool) -> str | None:
-    """How a query piece sees a K/V piece: 'full', 'causal' (the same positions) or None (all future).
-    Pieces have one length and start on its multiples, so they coincide or are disjoint."""
+    """How a query part sees a K/V part: 'full', 'causal' (the same positions) or None (all future).
+    Parts have one length and start on its multiples, so they coincide or are disjoint."""
     if not causal or kv_piece[0] < q_piece[0]:
         return "full"
     return "causal" if kv_piece[0] == q_piece[0] else None
 
 
+def call_pieces(rank: int, size: int, length: int, zigzag: bool) -> list[tuple[int, tuple[int, int]]]:
+    """``(local start, (global start, length))`` of the row ranges that one call covers: each shard piece cut
+    into :data:`CALL_PARTS` equal parts when its length divides (else whole). Smaller calls mean smaller
+    transient copies (a call copies its rows of q, k, v, dy and out, and allocates its gradients)."""
+    calls, local = [], 0
+    for start, piece in shard_pieces(rank, size, length, zigzag):
+        parts = CALL_PARTS if piece % CALL_PARTS == 0 else 1
+        part = piece // parts
+        calls += [(local + i * part, (start + i * part, part)) for i in range(parts)]
+        local += piece
+    return calls
+
+
 def step_blocks(cfg: Config, rank: int, src: int, size: int) -> list[Block]:
-    """The calls of the step where ``rank`` holds the K/V shard of ``src``: one per visible pair of pieces
-    (a zigzag step has 2 or 3, a contiguous one 1). Pieces are contiguous in global positions and of one
-    length, as alibi needs (Sq == Skv), and half-shard calls keep the grad's transient copies small."""
-    q_pieces = shard_pieces(rank, size, cfg.local_len, cfg.zigzag)
-    kv_pieces = shard_pieces(src, size, cfg.local_len, cfg.zigzag)
-    starts = [sum(length for _, length in q_pieces[:i]) for i in range(len(q_pieces) + 1)]
-    return [Block((starts[i], starts[i + 1]), (starts[j], starts[j + 1]), kind == "causal", qp, kp)
-            for i, qp in enumerate(q_pieces) for j, kp in enumerate(kv_pieces)
-            if (kind := _visible(qp, kp, cfg.causal))]
+    """The calls of the step where ``rank`` holds the K/V shard of ``src``: one per visible pair of query and
+    K/V parts (:func:`call_pieces`). Parts are contiguous in global positions and of one length, as alibi
+    needs (Sq == Skv)."""
+    q_calls = call_pieces(rank, size, cfg.local_len, cfg.zigzag)
+    kv_calls = call_pieces(src, size, cfg.local_len, cfg.zigzag)
+    return [Block((qi, qi + qp[1]), (kj, kj + kp[1]), kind == "causal", qp, kp)
+            for qi, qp in q_calls for kj, kp in kv_calls if (kind := _visible(qp, kp, cfg.causal))]
 
 
 @functools.lru_cache(maxsize=1)
