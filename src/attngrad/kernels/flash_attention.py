@@ -1065,9 +1065,8 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     want_dpse = with_dpse and plan.pse is not None and plan.pse_type in (0, 1)
     batch_tasks, single_chunk = _dpse_split(plan, B) if want_dpse else (B, False)
     in_place = dq is not None
-    dq, dk, dv = (torch.empty(like.shape, dtype=q.dtype) if t is None else _unit_rows(t)
-                  for t, like in ((dq, q), (dk, k), (dv, v)))
     kplan = _kernel_plan(plan, q, Skv, want_dpse)
+    dtype = q.dtype
     q, k, v, dy = _widened(plan, q, k, v, dy)
     rope_operands = rope and _widened(plan, *rope)
     if plan.widen_gemm and not plan.round_probs:  # D = rowsum(P dP) = rowsum(dy * out) of the unrounded output
@@ -1077,6 +1076,8 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     _row_dot_kernel(dyv, _view(out, in_place), dr)
     chunks = 1 if single_chunk else backward_chunks(batch_tasks * N2, Skv)
     dq_acc = np.zeros((chunks, B, N1, Sq, D), np.float32)
+    dq, dk, dv = (torch.empty(like.shape, dtype=dtype) if t is None else _unit_rows(t)
+                  for t, like in ((dq, q), (dk, k), (dv, v)))
     dpse_out, dpse = _dpse_target(plan, B, Sq) if want_dpse else (None, np.zeros((1, 1, 1, 1), np.float32))
     smax, ssum = (_view(t.detach().float(), in_place) for t in (softmax_max, softmax_sum))
     packed = _use_brgemm(q, D, v.shape[3])
