@@ -308,3 +308,24 @@ def test_flash_attn_func_sink():
                                                      atten_mask=CAUSAL, sparse_mode=3)
     assert torch.equal(out, ref)
     assert torch.allclose(lse, smax[..., 0] + ssum[..., 0].log())
+
+
+def test_opcheck_with_rope_and_sink():
+    """torch.library's checks (schema, fake kernel, autograd registration) of both ops with the new inputs."""
+    from torch.library import opcheck
+
+    from attngrad.ops.flash_attention import score_grad_op_args, score_op_args
+    from attngrad.ops.flash_attention_core import split_kwargs
+
+    q, k, v, dy, qr, kr = _bnsd_inputs(torch.float32, seed=37, kr_heads=1)
+    sink = torch.randn(N1)
+    kwargs = dict(head_num=N1, input_layout="BNSD", scale_value=0.25, query_rope=qr.requires_grad_(),
+                  key_rope=kr.requires_grad_(), sink=sink.requires_grad_())
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    opcheck(torch.ops.attngrad.flash_attention_score.default, score_op_args(*leaves, *split_kwargs(**kwargs)))
+    with torch.no_grad():
+        out, smax, ssum = attngrad.flash_attention_score(*leaves, **kwargs)
+    detached = {n: (t.detach() if isinstance(t, torch.Tensor) else t) for n, t in kwargs.items()}
+    grad_kwargs = dict(detached, softmax_max=smax, softmax_sum=ssum, attention_in=out)
+    opcheck(torch.ops.attngrad.flash_attention_score_grad.default,
+            score_grad_op_args(*(t.detach() for t in leaves), dy, *split_kwargs(**grad_kwargs)))
