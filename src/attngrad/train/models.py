@@ -3,11 +3,11 @@
 Each model class has one switch, ``impl``: ``"attngrad"`` or ``"torch"``; everything else (weights, data
 path, initialisation) is shared, so a copy of a model with the other ``impl`` is its plain-PyTorch twin.
 
-* :class:`Llama`: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, tied embeddings. Attention
-  is causal within each packed document. attngrad: one ``flash_attention_score`` call in TND layout
-  (cumulative document ends, sparse mode 3 with the compressed [2048, 2048] causal mask); torch:
-  ``scaled_dot_product_attention`` over the rows with a block-diagonal causal mask (the explicit softmax
-  composition when dropout is on, since SDPA cannot take a given dropout mask).
+* :class:`Llama`: RMSNorm, rotary embeddings, grouped-query attention with smeared keys, SwiGLU MLP, tied
+  embeddings. Attention is causal within each packed document. attngrad: one ``flash_attention_score`` call
+  in TND layout (cumulative document ends, sparse mode 3 with the compressed [2048, 2048] causal mask);
+  torch: ``scaled_dot_product_attention`` over the rows with a block-diagonal causal mask (the explicit
+  softmax composition when dropout is on, since SDPA cannot take a given dropout mask).
 * :class:`Mamba2`: Mamba2 blocks whose SSD chunk scan builds the intra-chunk and inter-chunk decay matrices
   with ``exp(segsum(a))``: attngrad's ``exp_segsum``, or the cumulative-sum composition in torch.
 
