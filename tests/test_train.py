@@ -10,7 +10,7 @@ import torch
 
 from attngrad.train import CheckpointError, TrainConfig, train
 from attngrad.train import cli
-from attngrad.train.models import torch_exp_segsum
+from attngrad.train.models import smear_keys, torch_exp_segsum
 from attngrad.train.tasks import HELD_OUT, IGNORE, TRAIN, make_batch
 
 import attngrad
@@ -80,3 +80,10 @@ def test_batches_are_deterministic_and_packed():
 def test_torch_exp_segsum_matches_attngrad():
     x = -torch.rand(2, 3, 4, 16)
     torch.testing.assert_close(torch_exp_segsum(x), attngrad.exp_segsum(x))
+
+
+def test_smeared_keys_do_not_cross_documents():
+    k = torch.arange(1.0, 5.0).view(4, 1, 1)
+    starts = torch.tensor([True, False, True, False])
+    smeared = smear_keys(k, starts, torch.zeros(1, 1))          # w = 1/2
+    assert smeared.flatten().tolist() == [0.5, 1.5, 1.5, 3.5]

@@ -21,7 +21,7 @@ from .report import PeakRss, Progress, plot_losses, write_metrics
 from .tasks import HELD_OUT, IGNORE, TASKS, TRAIN, VOCAB, Batch, make_batch
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-DEFAULT_STEPS = {"llama": 400, "mamba2": 300}
+DEFAULT_STEPS = {"llama": 600, "mamba2": 300}
 WARMUP = 0.05            # fraction of the steps with a linear learning-rate warm-up, then cosine decay to 10%
 
 

@@ -3,11 +3,11 @@
 Each model class has one switch, ``impl``: ``"attngrad"`` or ``"torch"``; everything else (weights, data
 path, initialisation) is shared, so a copy of a model with the other ``impl`` is its plain-PyTorch twin.
 
-* :class:`Llama`: RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP, tied embeddings. Attention
-  is causal within each packed document. attngrad: one ``flash_attention_score`` call in TND layout
-  (cumulative document ends, sparse mode 3 with the compressed [2048, 2048] causal mask); torch:
-  ``scaled_dot_product_attention`` over the rows with a block-diagonal causal mask (the explicit softmax
-  composition when dropout is on, since SDPA cannot take a given dropout mask).
+* :class:`Llama`: RMSNorm, rotary embeddings, grouped-query attention with smeared keys, SwiGLU MLP, tied
+  embeddings. Attention is causal within each packed document. attngrad: one ``flash_attention_score`` call
+  in TND layout (cumulative document ends, sparse mode 3 with the compressed [2048, 2048] causal mask);
+  torch: ``scaled_dot_product_attention`` over the rows with a block-diagonal causal mask (the explicit
+  softmax composition when dropout is on, since SDPA cannot take a given dropout mask).
 * :class:`Mamba2`: Mamba2 blocks whose SSD chunk scan builds the intra-chunk and inter-chunk decay matrices
   with ``exp(segsum(a))``: attngrad's ``exp_segsum``, or the cumulative-sum composition in torch.
 
@@ -42,6 +42,7 @@ class LlamaConfig:
     rope_base: float = 10000.0
     dropout: float = 0.0       # attention dropout probability (1 - keep_prob)
     alibi: bool = False        # add CANN's generated alibi (pseType 2, slopes 2^(-8 h / heads))
+    smear_keys: bool = True    # mix each key with the previous token's key (see smear_keys)
 
 
 @dataclass
@@ -117,8 +118,22 @@ def dense_keep(batch: Batch, heads: int, keep: torch.Tensor) -> torch.Tensor:
     return dense
 
 
+def smear_keys(k: torch.Tensor, starts: torch.Tensor, logit: torch.Tensor) -> torch.Tensor:
+    """Smeared keys: ``(1 - w) k_t + w k_{t-1}`` with ``w = sigmoid(logit)`` per key head; k ``[T, N, D]``,
+    starts bool ``[T]`` (a document's first token has no previous key), logit ``[N, 1]``.
+
+    A key then also says which token came before it, so one attention lookup finds "the token after x"
+    (the induction step that associative recall needs) without first growing a previous-token head, which
+    the small model did not do within thousands of steps (docs/training.md, 'The models').
+    """
+    previous = torch.cat([torch.zeros_like(k[:1]), k[:-1]]).masked_fill(starts[:, None, None], 0)
+    w = torch.sigmoid(logit).to(k.dtype)
+    return (1 - w) * k + w * previous
+
+
 class Attention(nn.Module):
-    """Grouped-query causal self-attention over packed documents (``heads`` query heads share ``kv_heads``)."""
+    """Grouped-query causal self-attention over packed documents (``heads`` query heads share ``kv_heads``),
+    with smeared keys when ``cfg.smear_keys``."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -127,6 +142,7 @@ class Attention(nn.Module):
         self.q = nn.Linear(cfg.dim, cfg.heads * self.head_dim, bias=False)
         self.kv = nn.Linear(cfg.dim, 2 * cfg.kv_heads * self.head_dim, bias=False)
         self.o = nn.Linear(cfg.heads * self.head_dim, cfg.dim, bias=False)
+        self.smear = nn.Parameter(torch.zeros(cfg.kv_heads, 1)) if cfg.smear_keys else None
 
     def forward(self, x: torch.Tensor, batch: Batch, impl: str, keep: torch.Tensor | None) -> torch.Tensor:
         """x ``[T, dim]`` (T = rows * seq, TND order) -> ``[T, dim]``; keep: flat TND dropout keep flags."""
@@ -134,6 +150,8 @@ class Attention(nn.Module):
         positions = batch.positions.reshape(-1)
         q = rotary(self.q(x).view(-1, cfg.heads, d), positions, cfg.rope_base)
         k, v = self.kv(x).view(-1, 2, cfg.kv_heads, d).unbind(1)
+        if self.smear is not None:
+            k = smear_keys(k, batch.document_starts.reshape(-1), self.smear)
         k = rotary(k, positions, cfg.rope_base)
         attend = attngrad_attention if impl == "attngrad" else torch_attention
         slopes = alibi_slopes(cfg.heads) if cfg.alibi else None    # fp32 whatever the model's dtype
