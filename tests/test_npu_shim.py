@@ -83,8 +83,11 @@ def test_runner_runs_a_torch_npu_script_as_main_with_its_arguments(tmp_path):
     torch.manual_seed(0)
     q = torch.randn(1, 2, 8, 16)
     out = attngrad.npu.npu_fusion_attention(q, q, q, 2, "BNSD", scale=0.25)[0]
-    assert result.stdout.split() == ["__main__", "['--steps',", "'2']", "(1,", "2,", "8,", "16)", "128",
-                                     repr(float(out.double().sum()))]
+    *printed, total = result.stdout.split()
+    assert printed == ["__main__", "['--steps',", "'2']", "(1,", "2,", "8,", "16)", "128"]
+    # same computation in another process: equal up to float32 rounding (not compared bitwise: this process may
+    # carry state from earlier tests of the same worker)
+    assert float(total) == pytest.approx(float(out.double().sum()), rel=1e-6)
 
 
 def test_runner_reports_unemulated_names_and_usage(tmp_path, no_torch_npu, monkeypatch, capsys):
