@@ -1050,10 +1050,11 @@ def _dpse_split(plan: AttentionPlan, b: int) -> tuple[int, bool]:
 @on_torch_threads
 def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: AttentionPlan,
                              with_dpse: bool = False, dq=None, dk=None, dv=None, rope=None, rope_into=None):
-    """Returns ``(dq, dk, dv, dpse, dq_rope, dk_rope)``: dq/dk/dv shaped like q, k, v in the input dtype (module
+    """Returns ``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)``: dq/dk/dv shaped like q, k, v in the input dtype (module
     docstring for the math); dpse shaped like ``plan.pse`` in its dtype when ``with_dpse`` (pse_type 0/1), else
     None; with ``rope = (q_rope, k_rope)`` (as in :func:`flash_attention_forward`) their gradients (a single
-    k_rope head gets the sum over all heads), else None. ``rope_into``: preallocated (dq_rope, dk_rope).
+    k_rope head gets the sum over all heads), else None. ``rope_into``: preallocated (dq_rope, dk_rope). dsink
+    float32 ``[N1]`` with ``plan.sink`` (:func:`_sink_gradient`), else None.
 
     softmax_max / softmax_sum ``[B, N1, Sq]`` fp32 and out (attentionIn) are used as given (any strides); out is
     not read in the golden order (``plan.widen_gemm`` without ``plan.round_probs``), which recomputes it in float32.
@@ -1093,7 +1094,17 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     if want_dpse and dpse_out is None:
         dpse_out = torch.from_numpy(dpse).to(plan.pse.dtype)
     rope_grads = _rope_gradients(rope, rope_into, dqr_acc, dkr, kplan.scale) if has_rope else (None, None)
-    return dq, dk, dv, dpse_out, *rope_grads
+    dsink = None if plan.sink is None else _sink_gradient(plan.sink, dr, smax, ssum)
+    return dq, dk, dv, dpse_out, *rope_grads, dsink
+
+
+def _sink_gradient(sink: torch.Tensor, dr: np.ndarray, smax: np.ndarray, ssum: np.ndarray) -> torch.Tensor:
+    """dsink float32 ``[N1]`` = ``-sum_{b,i} Psink * Dr`` with ``Psink = exp(sink - max) / sum`` from the given
+    statistics and the backward's own ``Dr = rowsum(dy * out)`` ``[B, N1, Sq]`` (the dP of dS, dropout included).
+    Rows whose max is the fully-masked fill (no sink in their forward) contribute 0."""
+    m, s, d = (torch.from_numpy(a) for a in (smax, ssum, dr))
+    p_sink = (torch.exp(sink.view(1, -1, 1) - m) / s).masked_fill(~(m > _NEG), 0.0)
+    return -(p_sink * d).sum((0, 2))
 
 
 def _rope_gradients(rope: tuple, into: tuple | None, dqr_acc: np.ndarray, dkr: np.ndarray, scale) -> tuple:

@@ -33,7 +33,7 @@ from ..kernels.flash_attention_reference import flash_attention_forward_referenc
 from ..validation import (MASK_DTYPES, check_dtype, check_float, check_int, check_int_list, check_range,
                           check_rank, invalid, require_tensor)
 from .flash_attention_checks import absent, check_drop_mask, check_pse_type
-from .flash_attention_sink_rope import check_sink, sink_grad
+from .flash_attention_sink_rope import check_sink
 
 SEQ_DIM = {"BNSD": 2, "BSND": 1, "BSH": 1, "SBH": 0}   # the S axis of each non-TND layout
 BATCH_DIM = {"BNSD": 0, "BSND": 0, "BSH": 0, "SBH": 1}
@@ -452,11 +452,9 @@ def backward_kernel(p: Problem, with_dpse: bool = False, into: tuple | None = No
     if p.out is None:
         p.out, p.softmax_max, p.softmax_sum = forward_kernel(p)
     into = into or ()
-    dq, dk, dv, dpse, dq_rope, dk_rope = kernels.flash_attention_backward(
+    return Grads(*kernels.flash_attention_backward(
         p.q, p.k, p.v, p.dy, p.out, p.softmax_max, p.softmax_sum, p.plan, with_dpse, *into[:3], rope=p.rope,
-        rope_into=into[3:] or None)
-    dsink = None if sink is None else sink_grad(sink, p.dy, p.out, p.softmax_max, p.softmax_sum)
-    return Grads(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)
+        rope_into=into[3:] or None))
 
 
 def stats8(t: torch.Tensor) -> torch.Tensor:

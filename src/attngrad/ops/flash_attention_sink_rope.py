@@ -1,5 +1,5 @@
-"""The optional inputs of FlashAttentionScore(Grad) for MLA and attention sinks: their checks and the sink's gradient
-(see docs/cann-semantics.md, 'Rope parts and attention sink').
+"""The optional inputs of FlashAttentionScore(Grad) for MLA and attention sinks: their checks (see
+docs/cann-semantics.md, 'Rope parts and attention sink').
 
 * ``query_rope`` / ``key_rope`` (MLA's rope parts): the scores are ``[query, query_rope] [key, key_rope]^T``
   (value unchanged); query_rope is query's shape with D -> Dr, key_rope key's shape with D -> Dr and N2 heads or
@@ -8,7 +8,8 @@
 * ``sink`` float32 ``[N1]``: head n's softmax has one more logit ``sink[n]`` without a value.
   ``dsink[n] = -sum_{b,i} Psink[b,n,i] * Dr[b,n,i]`` with ``Psink = exp(sink[n] - max) / sum`` (the given
   statistics) and ``Dr = rowsum(dy * out) = sum_j P dPd``, where ``dPd`` is dP after the dropout factor (the
-  dP of dS): the exact gradient with dropout too.
+  dP of dS): the exact gradient with dropout too, computed by the grad kernel from its own Dr (in golden mode
+  from the unrounded output).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from ..errors import ACLNN_ERR_PARAM_NULLPTR, AclnnError
-from ..kernels.flash_attention_plan import MASKED_LOGIT
 from ..validation import check_dtype, check_rank, check_same_dtype, invalid, require_tensor
 from .flash_attention_checks import absent, check_output
 
@@ -88,17 +88,6 @@ def check_sink(op: str, sink, n1: int) -> torch.Tensor | None:
     if tuple(sink.shape) != (n1,):
         raise invalid(op, "sinkIn", f"shape must be [headNum] = [{n1}]", list(sink.shape))
     return sink.detach()
-
-
-def sink_grad(sink: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, softmax_max: torch.Tensor,
-              softmax_sum: torch.Tensor) -> torch.Tensor:
-    """dsink float32 ``[N1]`` for BNSD dy / out ``[B, N1, Sq, Dv]`` and the given statistics ``[B, N1, Sq]``
-    (module docstring). Rows whose max is the fully-masked fill (no sink in their forward) contribute 0."""
-    dr = (dy.float() * out.float()).sum(-1)
-    m, s = softmax_max.float(), softmax_sum.float()
-    p_sink = torch.exp(sink.view(1, -1, 1) - m) / s
-    p_sink = p_sink.masked_fill(~(m > MASKED_LOGIT), 0.0)
-    return -(p_sink * dr).sum((0, 2))
 
 
 def check_extra_outputs(op: str, outputs: dict, tensors) -> None:
