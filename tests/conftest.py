@@ -1,4 +1,4 @@
-"""Shared test fixtures, and a numba cache per pytest-xdist worker.
+"""Shared test fixtures.
 
 * ``_torch_seed`` (autouse): every test starts from ``torch.manual_seed(0)``, so random inputs repeat.
 * ``acl_device``: the C++ helpers of CANN's examples in Python: ``tensor(host, acl_dtype, ...)`` is
@@ -9,21 +9,10 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+import pytest
+import torch
 
-# Each pytest-xdist worker (the README's test command runs two) compiles into its own numba cache, set before
-# numba is imported: numba's cache index is not safe against two processes saving new specialisations of the same
-# kernel at once (the index can then name another signature's code).
-_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
-if _WORKER:
-    _ROOT = os.environ.get("NUMBA_CACHE_DIR") or Path(__file__).resolve().parent.parent / ".numba-cache"
-    os.environ["NUMBA_CACHE_DIR"] = str(Path(_ROOT) / _WORKER)
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from attngrad import aclnn  # noqa: E402
+from attngrad import aclnn
 
 
 @pytest.fixture(autouse=True)
