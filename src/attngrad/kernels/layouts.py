@@ -1,0 +1,54 @@
+"""One compiled specialisation of a kernel for every mix of contiguous and strided array arguments.
+
+numba compiles a kernel once per tuple of argument types, and an array's type records its layout: C-contiguous
+(``'C'``) or any strides (``'A'``). A kernel that reads some views in place (varlen TND rows, strided outputs of
+the aclnn layer, transposed inputs) would otherwise compile again for each combination of contiguous and strided
+arguments (a minute each for the large kernels). :func:`launch` calls a kernel as numba types it when every
+array is C-contiguous (the fast common case) and otherwise with every array typed ``'A'``, so a kernel has at
+most two specialisations per dtype combination. Results do not depend on the layout types.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from numba import typeof, types
+
+
+def _all_c_contiguous(value) -> bool:
+    """True when every array in ``value`` (an array, a tuple / namedtuple of them, or a scalar) is C-contiguous."""
+    if isinstance(value, np.ndarray):
+        return value.flags.c_contiguous
+    if isinstance(value, tuple):
+        return all(_all_c_contiguous(v) for v in value)
+    return True
+
+
+def _strided(ty: types.Type) -> types.Type:
+    """``ty`` with every array type (also inside tuples and namedtuples) given the any-strides layout ``'A'``."""
+    if isinstance(ty, types.Array):
+        return ty.copy(layout="A")
+    if isinstance(ty, (types.NamedTuple, types.NamedUniTuple)):
+        return types.BaseTuple.from_types([_strided(t) for t in ty.types], ty.instance_class)
+    if isinstance(ty, types.BaseTuple):
+        return types.BaseTuple.from_types([_strided(t) for t in ty.types])
+    return ty
+
+
+def launch(kernel, *args):
+    """Call the numba dispatcher ``kernel`` with ``args`` (positional), typed as described in the module docstring."""
+    if _all_c_contiguous(args):
+        return kernel(*args)
+    return kernel.compile(tuple(_strided(typeof(a)) for a in args))(*args)
+
+
+def uniform_layout(kernel):
+    """Decorator form of :func:`launch` for a numba dispatcher (positional arguments only)."""
+
+    @functools.wraps(kernel)
+    def run(*args):
+        return launch(kernel, *args)
+
+    run.dispatcher = kernel
+    return run
