@@ -309,25 +309,27 @@ def test_aclnn_score_v3_and_varlen_v4_v5(acl_device):
     with rope parts and sink) give the torch functions' results bitwise; a bad sink or softmax layout is 161002."""
     from attngrad import aclnn
     from helpers import acl
+
+    def api(version):
+        name = f"aclnnFlashAttention{version}"
+        return getattr(aclnn, f"{name}GetWorkspaceSize"), getattr(aclnn, name)
+
     q, k, v, dy, qr, kr = _bnsd_inputs(torch.bfloat16, seed=29)
     sink = torch.randn(N1)
     results = torch.zeros_like(dy), torch.zeros(B, N1, SQ, 8), torch.zeros(B, N1, SQ, 8)
     dense = [acl(q), acl(k), acl(v), None, None, None, None, acl(sink), None, None, None, 0.25, 1.0, TOKENS, TOKENS,
              N1, "BNSD", 0, 0, 1, acl(results[1]), acl(results[2]), None, acl(results[0])]
-    assert acl_device.run(aclnn.aclnnFlashAttentionScoreV3GetWorkspaceSize, aclnn.aclnnFlashAttentionScoreV3,
-                          *dense) == 0, aclnn.aclGetRecentErrMsg()
+    assert acl_device.run(*api("ScoreV3"), *dense) == 0, aclnn.aclGetRecentErrMsg()
     ref = attngrad.flash_attention_score(q, k, v, N1, "BNSD", scale_value=0.25, sink=sink)
     assert all(torch.equal(a, b) for a, b in zip(results, ref))
     dense[7] = acl(sink.half())
-    assert acl_device.run(aclnn.aclnnFlashAttentionScoreV3GetWorkspaceSize, aclnn.aclnnFlashAttentionScoreV3,
-                          *dense) == 161002 and "sinkIn" in aclnn.aclGetRecentErrMsg()
+    assert acl_device.run(*api("ScoreV3"), *dense) == 161002 and "sinkIn" in aclnn.aclGetRecentErrMsg()
 
     tq, tk, tv, tdy, tqr, tkr = _tnd(q, k, v, dy, qr, kr)
     out, m8, s8 = torch.zeros_like(tdy), torch.zeros(B * SQ, N1, 8), torch.zeros(B * SQ, N1, 8)
-    assert acl_device.run(aclnn.aclnnFlashAttentionVarLenScoreV5GetWorkspaceSize, aclnn.aclnnFlashAttentionVarLenScoreV5,
-                          acl(tq), acl(tqr), acl(tk), acl(tkr), acl(tv), None, None, None, None, acl(sink), None, CQ,
-                          CKV, None, None, 0.25, 1.0, TOKENS, TOKENS, N1, "TND", 0, 0, 1, "same_as_input", acl(m8),
-                          acl(s8), None, acl(out)) == 0, aclnn.aclGetRecentErrMsg()
+    assert acl_device.run(*api("VarLenScoreV5"), acl(tq), acl(tqr), acl(tk), acl(tkr), acl(tv), None, None, None, None,
+                          acl(sink), None, CQ, CKV, None, None, 0.25, 1.0, TOKENS, TOKENS, N1, "TND", 0, 0, 1,
+                          "same_as_input", acl(m8), acl(s8), None, acl(out)) == 0, aclnn.aclGetRecentErrMsg()
     kw = dict(scale_value=0.25, actual_seq_qlen=CQ, actual_seq_kvlen=CKV, softmax_layout="TND")
     rope_sink = dict(kw, query_rope=tqr, key_rope=tkr, sink=sink)
     ref = attngrad.flash_attention_score(tq, tk, tv, N1, "TND", **rope_sink)
@@ -336,26 +338,23 @@ def test_aclnn_score_v3_and_varlen_v4_v5(acl_device):
     grad_args = [acl(tq), acl(tqr), acl(tk), acl(tkr), acl(tv), acl(tdy), None, None, None, None, acl(m8), acl(s8),
                  None, acl(out), acl(sink), None, CQ, CKV, None, None, 0.25, 1.0, TOKENS, TOKENS, N1, "TND", 0, 0, 1,
                  "same_as_input", *map(acl, grads[:5]), None, acl(grads[5])]
-    v5_grad = aclnn.aclnnFlashAttentionUnpaddingScoreGradV5GetWorkspaceSize, aclnn.aclnnFlashAttentionUnpaddingScoreGradV5
-    assert acl_device.run(*v5_grad, *grad_args) == 0, aclnn.aclGetRecentErrMsg()
+    assert acl_device.run(*api("UnpaddingScoreGradV5"), *grad_args) == 0, aclnn.aclGetRecentErrMsg()
     ref = attngrad.flash_attention_score_grad(tq, tk, tv, tdy, N1, "TND", softmax_max=m8, softmax_sum=s8,
                                               attention_in=out, **rope_sink)
     assert all(torch.equal(a, b) for a, b in zip(grads, (ref[0], ref[4], ref[1], ref[5], ref[2], ref[6])))
     for at, value, param in ((14, acl(torch.zeros(N1 + 1)), "sinkIn"), (29, "TND", "softmaxInLayout")):
-        assert acl_device.run(*v5_grad, *grad_args[:at], value, *grad_args[at + 1:]) == 161002
+        assert acl_device.run(*api("UnpaddingScoreGradV5"), *grad_args[:at], value, *grad_args[at + 1:]) == 161002
         assert param in aclnn.aclGetRecentErrMsg()
 
     # V4: V1's parameters with the statistics' order
-    assert acl_device.run(aclnn.aclnnFlashAttentionVarLenScoreV4GetWorkspaceSize, aclnn.aclnnFlashAttentionVarLenScoreV4,
-                          acl(tq), acl(tk), acl(tv), None, None, None, None, None, CQ, CKV, 0.25, 1.0, TOKENS, TOKENS,
-                          N1, "TND", 0, 0, "same_as_input", acl(m8), acl(s8), None, acl(out)) == 0
+    assert acl_device.run(*api("VarLenScoreV4"), acl(tq), acl(tk), acl(tv), None, None, None, None, None, CQ, CKV, 0.25,
+                          1.0, TOKENS, TOKENS, N1, "TND", 0, 0, "same_as_input", acl(m8), acl(s8), None, acl(out)) == 0
     ref = attngrad.flash_attention_score(tq, tk, tv, N1, "TND", **kw)
     assert all(torch.equal(a, b) for a, b in zip((out, m8, s8), ref))
     grads = [torch.zeros_like(x) for x in (tq, tk, tv)]
-    assert acl_device.run(aclnn.aclnnFlashAttentionUnpaddingScoreGradV4GetWorkspaceSize,
-                          aclnn.aclnnFlashAttentionUnpaddingScoreGradV4, acl(tq), acl(tk), acl(tv), acl(tdy), None,
-                          None, None, None, acl(m8), acl(s8), None, acl(out), None, CQ, CKV, 0.25, 1.0, TOKENS,
-                          TOKENS, N1, "TND", 0, 0, *map(acl, grads), None, "same_as_input") == 0
+    assert acl_device.run(*api("UnpaddingScoreGradV4"), acl(tq), acl(tk), acl(tv), acl(tdy), None, None, None, None,
+                          acl(m8), acl(s8), None, acl(out), None, CQ, CKV, 0.25, 1.0, TOKENS, TOKENS, N1, "TND", 0, 0,
+                          *map(acl, grads), None, "same_as_input") == 0
     ref = attngrad.flash_attention_score_grad(tq, tk, tv, tdy, N1, "TND", softmax_max=m8, softmax_sum=s8,
                                               attention_in=out, **kw)
     assert all(torch.equal(a, b) for a, b in zip(grads, ref[:3]))
@@ -392,3 +391,12 @@ def test_opcheck_with_rope_and_sink():
     grad_kwargs = dict(detached, softmax_max=smax, softmax_sum=ssum, attention_in=out)
     opcheck(torch.ops.attngrad.flash_attention_score_grad.default,
             score_grad_op_args(*(t.detach() for t in leaves), dy, *split_kwargs(**grad_kwargs)))
+
+
+@pytest.mark.parametrize("name, printed", [("flash_attention_mla_rope", "dkRope first values"),
+                                           ("flash_attention_sink", "dsink rel. error")])
+def test_examples_run(name, printed, capsys):
+    """The rope and sink examples of ``attngrad examples`` (bfloat16: the kernels this file compiles)."""
+    import importlib
+    assert importlib.import_module(f"attngrad.examples.{name}").main() == 0
+    assert printed in capsys.readouterr().out
