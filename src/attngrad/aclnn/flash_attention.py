@@ -4,12 +4,12 @@ Each API's parameters are listed once, in CANN's C order, as the names of CANN's
 ``qStartIdxOptional, kvStartIdxOptional`` after ``prefixOptional`` and ``pseType`` after ``sparseMode``; V1
 runs with pseType 1. V3 adds ``sinkOptional`` after ``attenMaskOptional``; GradV3 adds ``sinkInOptional``
 after ``attentionInOptional`` and ``dsinkOut`` after ``dpseOut`` (attngrad: every dtype, not only float16 /
-bfloat16). The arguments become the contract's
-``AttentionAttrs`` and ``AttentionTensors`` (:mod:`attngrad.ops.flash_attention_core`); all checks live in
-:mod:`attngrad.ops.flash_attention` (``cann_limits=True``: the forward results are required by the grad,
-outputs are required, all-empty grad outputs succeed). ``softmaxOutOut``, ``paddingMaskOptional``,
-``softmaxInOptional`` and ``dpseOut`` are reserved by CANN and left untouched. :func:`forward_prepare` and
-:func:`grad_prepare` also serve the varlen APIs of :mod:`attngrad.aclnn.flash_attention_varlen`.
+bfloat16). The arguments become the contract's ``AttentionAttrs`` and ``AttentionTensors``
+(:mod:`attngrad.ops.flash_attention_core`); all checks live in :mod:`attngrad.ops.flash_attention`
+(``cann_limits=True``: the forward results are required by the grad, outputs are required, all-empty grad
+outputs succeed). ``softmaxOutOut``, ``paddingMaskOptional``, ``softmaxInOptional`` and ``dpseOut`` are reserved
+by CANN and left untouched. :func:`forward_prepare` and :func:`grad_prepare` also serve the varlen APIs of
+:mod:`attngrad.aclnn.flash_attention_varlen`.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ INT_ARRAY_KEYWORDS = {"actualSeqQLen": "actual_seq_qlen", "actualSeqKvLen": "act
 ATTRIBUTE_KEYWORDS = {"scaleValue": "scale_value", "keepProb": "keep_prob", "preTokens": "pre_tokens",
                       "nextTokens": "next_tokens", "headNum": "head_num", "inputLayout": "input_layout",
                       "innerPrecise": "inner_precise", "sparseMode": "sparse_mode", "pseType": "pse_type"}
-# the TND statistics' data order (varlen V5): aclnn's string -> the contract's softmax_layout; null reads as ""
+# the TND statistics' data order (varlen V4 / V5): aclnn's string -> the contract's softmax_layout; null reads as ""
 SOFTMAX_LAYOUT_PARAMS = ("softmaxOutLayout", "softmaxInLayout")
 CANN_SOFTMAX_LAYOUTS = {"": "", "same_as_input": "TND"}
 
