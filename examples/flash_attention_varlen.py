@@ -17,9 +17,12 @@ from attngrad.examples.acl_helpers import CopyToHost, CreateAclTensors, Finalize
 PRINT_COUNT = 6
 
 
-def PrintFirstValues(shape, device_addr, name: str) -> None:
-    """Copy a result back to the host and print its first PRINT_COUNT values on one line."""
-    ret, result = CopyToHost(shape, device_addr)
+def PrintFirstValues(shape, device_addr, name: str, bf16: bool = False) -> None:
+    """Copy a result (float32, or bfloat16 bit patterns with ``bf16``) back to the host and print its first
+    PRINT_COUNT values on one line."""
+    ret, result = CopyToHost(shape, device_addr, np.uint16 if bf16 else np.float32)
+    if bf16:
+        result = (result.astype(np.uint32) << 16).view(np.float32)
     if ret == aclnn.ACL_SUCCESS:
         print(f"{name} first values: " + " ".join(f"{float(x):.6f}" for x in result[:PRINT_COUNT]))
 

@@ -251,17 +251,25 @@ def test_npu_v2_names_carry_rope_and_sink():
     assert all(torch.equal(a, b) for a, b in zip(grads[:3] + grads[4:], ref_grads[:3] + ref_grads[4:]))
 
 
+CQ, CKV = [SQ, 2 * SQ], [SKV, 2 * SKV]   # cumulative lengths of _tnd's two batches
+TOKENS = 2147483647
+
+
+def _tnd(*bnsd):
+    """BNSD tensors of the B = 2 batches as contiguous TND (lengths CQ / CKV)."""
+    return tuple(x.permute(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3]).contiguous() for x in bnsd)
+
+
 def test_aclnn_grad_v3_sink_and_varlen_v3_rope():
     from attngrad import aclnn
     from helpers import acl
-    tokens = 2147483647
     q, k, v, dy, qr, kr = _bnsd_inputs(torch.bfloat16, seed=29)
     sink = torch.randn(N1)
     out, smax, ssum = attngrad.flash_attention_score(q, k, v, N1, "BNSD", scale_value=0.25, sink=sink)
     dq, dk, dv, dsink = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros(N1)
     ret, ws, ex = aclnn.aclnnFlashAttentionScoreGradV3GetWorkspaceSize(
         acl(q), acl(k), acl(v), acl(dy), None, None, None, None, acl(smax), acl(ssum), None, acl(out), acl(sink),
-        None, None, None, 0.25, 1.0, tokens, tokens, N1, "BNSD", 0, 0, 1, acl(dq), acl(dk), acl(dv), None,
+        None, None, None, 0.25, 1.0, TOKENS, TOKENS, N1, "BNSD", 0, 0, 1, acl(dq), acl(dk), acl(dv), None,
         acl(dsink))
     assert ret == 0, aclnn.aclGetRecentErrMsg()
     assert aclnn.aclnnFlashAttentionScoreGradV3(None, ws, ex, None) == 0
@@ -270,32 +278,86 @@ def test_aclnn_grad_v3_sink_and_varlen_v3_rope():
     assert all(torch.equal(a, b) for a, b in zip((dq, dk, dv, dsink), ref[:3] + ref[6:]))
     ret, _, _ = aclnn.aclnnFlashAttentionScoreGradV3GetWorkspaceSize(
         acl(q), acl(k), acl(v), acl(dy), None, None, None, None, acl(smax), acl(ssum), None, acl(out), acl(sink),
-        None, None, None, 0.25, 1.0, tokens, tokens, N1, "BNSD", 0, 0, 1, acl(dq), acl(dk), acl(dv), None,
+        None, None, None, 0.25, 1.0, TOKENS, TOKENS, N1, "BNSD", 0, 0, 1, acl(dq), acl(dk), acl(dv), None,
         acl(torch.zeros(N1 + 1)))
     assert ret == 161002
     # TND rope: forward V3 then grad V3
-    t_q, t_k = B * SQ, B * SKV
-    tq, tk, tv, tdy, tqr, tkr = (x.permute(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[3]).contiguous()
-                                 for x in (q, k, v, dy, qr, kr))
-    cq, ckv = [SQ, 2 * SQ], [SKV, 2 * SKV]
+    t_q = B * SQ
+    tq, tk, tv, tdy, tqr, tkr = _tnd(q, k, v, dy, qr, kr)
     o, m8, s8 = torch.zeros(t_q, N1, D, dtype=q.dtype), torch.zeros(t_q, N1, 8), torch.zeros(t_q, N1, 8)
     ret, ws, ex = aclnn.aclnnFlashAttentionVarLenScoreV3GetWorkspaceSize(
-        acl(tq), acl(tqr), acl(tk), acl(tkr), acl(tv), None, None, None, None, None, cq, ckv, None, None, 0.25, 1.0,
-        tokens, tokens, N1, "TND", 0, 0, 1, acl(m8), acl(s8), None, acl(o))
+        acl(tq), acl(tqr), acl(tk), acl(tkr), acl(tv), None, None, None, None, None, CQ, CKV, None, None, 0.25, 1.0,
+        TOKENS, TOKENS, N1, "TND", 0, 0, 1, acl(m8), acl(s8), None, acl(o))
     assert ret == 0, aclnn.aclGetRecentErrMsg()
     assert aclnn.aclnnFlashAttentionVarLenScoreV3(None, ws, ex, None) == 0
-    kw = dict(scale_value=0.25, actual_seq_qlen=cq, actual_seq_kvlen=ckv, query_rope=tqr, key_rope=tkr)
+    kw = dict(scale_value=0.25, actual_seq_qlen=CQ, actual_seq_kvlen=CKV, query_rope=tqr, key_rope=tkr)
     assert all(torch.equal(a, b) for a, b in zip((o, m8, s8), attngrad.flash_attention_score(tq, tk, tv, N1, "TND",
                                                                                              **kw)))
     grads = [torch.zeros_like(x) for x in (tq, tqr, tk, tkr, tv)]
     ret, ws, ex = aclnn.aclnnFlashAttentionUnpaddingScoreGradV3GetWorkspaceSize(
         acl(tq), acl(tqr), acl(tk), acl(tkr), acl(tv), acl(tdy), None, None, None, None, acl(m8), acl(s8), None,
-        acl(o), None, cq, ckv, None, None, 0.25, 1.0, tokens, tokens, N1, "TND", 0, 0, 1, *map(acl, grads), None)
+        acl(o), None, CQ, CKV, None, None, 0.25, 1.0, TOKENS, TOKENS, N1, "TND", 0, 0, 1, *map(acl, grads), None)
     assert ret == 0, aclnn.aclGetRecentErrMsg()
     assert aclnn.aclnnFlashAttentionUnpaddingScoreGradV3(None, ws, ex, None) == 0
     ref = attngrad.flash_attention_score_grad(tq, tk, tv, tdy, N1, "TND", softmax_max=m8, softmax_sum=s8,
                                               attention_in=o, **kw)
     assert all(torch.equal(a, b) for a, b in zip(grads, (ref[0], ref[4], ref[1], ref[5], ref[2])))
+
+
+def test_aclnn_score_v3_and_varlen_v4_v5(acl_device):
+    """aclnnFlashAttentionScoreV3 (sink) and the varlen V4 / V5 APIs (statistics in the input's TND row order; V5
+    with rope parts and sink) give the torch functions' results bitwise; a bad sink or softmax layout is 161002."""
+    from attngrad import aclnn
+    from helpers import acl
+
+    def api(version):
+        name = f"aclnnFlashAttention{version}"
+        return getattr(aclnn, f"{name}GetWorkspaceSize"), getattr(aclnn, name)
+
+    q, k, v, dy, qr, kr = _bnsd_inputs(torch.bfloat16, seed=29)
+    sink = torch.randn(N1)
+    results = torch.zeros_like(dy), torch.zeros(B, N1, SQ, 8), torch.zeros(B, N1, SQ, 8)
+    dense = [acl(q), acl(k), acl(v), None, None, None, None, acl(sink), None, None, None, 0.25, 1.0, TOKENS, TOKENS,
+             N1, "BNSD", 0, 0, 1, acl(results[1]), acl(results[2]), None, acl(results[0])]
+    assert acl_device.run(*api("ScoreV3"), *dense) == 0, aclnn.aclGetRecentErrMsg()
+    ref = attngrad.flash_attention_score(q, k, v, N1, "BNSD", scale_value=0.25, sink=sink)
+    assert all(torch.equal(a, b) for a, b in zip(results, ref))
+    dense[7] = acl(sink.half())
+    assert acl_device.run(*api("ScoreV3"), *dense) == 161002 and "sinkIn" in aclnn.aclGetRecentErrMsg()
+
+    tq, tk, tv, tdy, tqr, tkr = _tnd(q, k, v, dy, qr, kr)
+    out, m8, s8 = torch.zeros_like(tdy), torch.zeros(B * SQ, N1, 8), torch.zeros(B * SQ, N1, 8)
+    assert acl_device.run(*api("VarLenScoreV5"), acl(tq), acl(tqr), acl(tk), acl(tkr), acl(tv), None, None, None, None,
+                          acl(sink), None, CQ, CKV, None, None, 0.25, 1.0, TOKENS, TOKENS, N1, "TND", 0, 0, 1,
+                          "same_as_input", acl(m8), acl(s8), None, acl(out)) == 0, aclnn.aclGetRecentErrMsg()
+    kw = dict(scale_value=0.25, actual_seq_qlen=CQ, actual_seq_kvlen=CKV, softmax_layout="TND")
+    rope_sink = dict(kw, query_rope=tqr, key_rope=tkr, sink=sink)
+    ref = attngrad.flash_attention_score(tq, tk, tv, N1, "TND", **rope_sink)
+    assert all(torch.equal(a, b) for a, b in zip((out, m8, s8), ref))
+    grads = [torch.zeros_like(x) for x in (tq, tqr, tk, tkr, tv, sink)]
+    grad_args = [acl(tq), acl(tqr), acl(tk), acl(tkr), acl(tv), acl(tdy), None, None, None, None, acl(m8), acl(s8),
+                 None, acl(out), acl(sink), None, CQ, CKV, None, None, 0.25, 1.0, TOKENS, TOKENS, N1, "TND", 0, 0, 1,
+                 "same_as_input", *map(acl, grads[:5]), None, acl(grads[5])]
+    assert acl_device.run(*api("UnpaddingScoreGradV5"), *grad_args) == 0, aclnn.aclGetRecentErrMsg()
+    ref = attngrad.flash_attention_score_grad(tq, tk, tv, tdy, N1, "TND", softmax_max=m8, softmax_sum=s8,
+                                              attention_in=out, **rope_sink)
+    assert all(torch.equal(a, b) for a, b in zip(grads, (ref[0], ref[4], ref[1], ref[5], ref[2], ref[6])))
+    for at, value, param in ((14, acl(torch.zeros(N1 + 1)), "sinkIn"), (29, "TND", "softmaxInLayout")):
+        assert acl_device.run(*api("UnpaddingScoreGradV5"), *grad_args[:at], value, *grad_args[at + 1:]) == 161002
+        assert param in aclnn.aclGetRecentErrMsg()
+
+    # V4: V1's parameters with the statistics' order
+    assert acl_device.run(*api("VarLenScoreV4"), acl(tq), acl(tk), acl(tv), None, None, None, None, None, CQ, CKV, 0.25,
+                          1.0, TOKENS, TOKENS, N1, "TND", 0, 0, "same_as_input", acl(m8), acl(s8), None, acl(out)) == 0
+    ref = attngrad.flash_attention_score(tq, tk, tv, N1, "TND", **kw)
+    assert all(torch.equal(a, b) for a, b in zip((out, m8, s8), ref))
+    grads = [torch.zeros_like(x) for x in (tq, tk, tv)]
+    assert acl_device.run(*api("UnpaddingScoreGradV4"), acl(tq), acl(tk), acl(tv), acl(tdy), None, None, None, None,
+                          acl(m8), acl(s8), None, acl(out), None, CQ, CKV, 0.25, 1.0, TOKENS, TOKENS, N1, "TND", 0, 0,
+                          *map(acl, grads), None, "same_as_input") == 0
+    ref = attngrad.flash_attention_score_grad(tq, tk, tv, tdy, N1, "TND", softmax_max=m8, softmax_sum=s8,
+                                              attention_in=out, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(grads, ref[:3]))
 
 
 def test_flash_attn_func_sink():
@@ -329,3 +391,12 @@ def test_opcheck_with_rope_and_sink():
     grad_kwargs = dict(detached, softmax_max=smax, softmax_sum=ssum, attention_in=out)
     opcheck(torch.ops.attngrad.flash_attention_score_grad.default,
             score_grad_op_args(*(t.detach() for t in leaves), dy, *split_kwargs(**grad_kwargs)))
+
+
+@pytest.mark.parametrize("name, printed", [("flash_attention_mla_rope", "dkRope first values"),
+                                           ("flash_attention_sink", "dsink rel. error")])
+def test_examples_run(name, printed, capsys):
+    """The rope and sink examples of ``attngrad examples`` (bfloat16: the kernels this file compiles)."""
+    import importlib
+    assert importlib.import_module(f"attngrad.examples.{name}").main() == 0
+    assert printed in capsys.readouterr().out

@@ -145,6 +145,24 @@ def test_rows_without_keys_have_zero_output_zero_gradients_and_infinite_lse():
     assert torch.isposinf(lse[:, :, :6]).all() and lse[:, :, 6:].isfinite().all()
 
 
+def test_rows_without_keys_attend_to_the_sink_in_skipped_alibi_blocks():
+    """With a sink a row without keys has softmax_lse = sink and output 0, also in the alibi blocks of
+    Sq > Skv that are not run (rows 0-2 here; rows 3-11 come from the kernel)."""
+    sq, skv, kwargs = CASES["alibi-window-sq>sk-blocks"]
+    kwargs = case_kwargs(kwargs)
+    q, k, v = leaves(torch.float32, (2, sq, HEADS, DIM), (2, skv, KV_HEADS, DIM), (2, skv, KV_HEADS, DIM))
+    sink = torch.randn(HEADS)
+    out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, sink=sink, **kwargs)
+    ref_out, ref_lse = reference(q.detach(), k.detach(), v.detach(), **kwargs)
+    keys_lse = ref_lse.masked_fill(ref_lse.isinf(), -math.inf)      # logsumexp over the keys only
+    with_sink = torch.logaddexp(keys_lse, sink.double()[:, None])
+    assert torch.equal(lse[:, :, :skv], sink[:, None].expand(2, HEADS, skv))
+    assert relative_error(lse, with_sink) <= LSE_BOUND
+    assert not out[:, :skv].any()
+    keys_share = (keys_lse - with_sink).exp().transpose(1, 2)[..., None]
+    assert relative_error(out, ref_out * keys_share) <= BOUND[torch.float32]
+
+
 def test_an_empty_row_passes_no_gradient_to_keys():
     """A window that reaches no key of rows 0-2: their output gradient reaches neither q, k nor v."""
     q, k, v = leaves(torch.float32, (1, 6, HEADS, DIM), (1, 3, KV_HEADS, DIM), (1, 3, KV_HEADS, DIM))

@@ -134,7 +134,7 @@ def _alibi_square_blocks(att: _Attention, q, k, v, offset):
         band = att.window and tuple(UNBOUNDED_TOKENS if side == UNBOUNDED_TOKENS else side + sign * shift
                                     for side, sign in zip(att.window, (-1, 1)))
         if band and band[1] < 1 - skv:
-            pieces.append(_rows_without_keys(q, v, end - start))
+            pieces.append(_rows_without_keys(att, q, v, end - start))
             continue
         pad = skv - (end - start)
         rows = torch.cat([q.new_zeros(b, pad, h, q.shape[3]), q[:, start:end]], 1) if pad else q[:, start:end]
@@ -145,11 +145,15 @@ def _alibi_square_blocks(att: _Attention, q, k, v, offset):
     return torch.cat(out, 1), torch.cat(smax, 2), torch.cat(ssum, 2)
 
 
-def _rows_without_keys(q, v, rows: int):
-    """The results of ``rows`` query rows that see no key: output 0, softmax_max -FLT_MAX, softmax_sum 1."""
+def _rows_without_keys(att: _Attention, q, v, rows: int):
+    """The results of ``rows`` query rows that see no key, as the kernel gives them: output 0, softmax_sum 1 and
+    softmax_max -FLT_MAX, or with a sink the head's sink logit (the row's softmax is all sink)."""
     b, _, h, _ = q.shape
-    stats = q.new_full((b, h, rows), EMPTY_ROW_MAX, dtype=torch.float32)
-    return q.new_zeros(b, rows, h, v.shape[3]), stats, torch.ones_like(stats)
+    if att.sink is None:
+        softmax_max = q.new_full((b, h, rows), EMPTY_ROW_MAX, dtype=torch.float32)
+    else:
+        softmax_max = att.sink.detach().reshape(1, h, 1).expand(b, h, rows)
+    return q.new_zeros(b, rows, h, v.shape[3]), softmax_max, torch.ones(b, h, rows)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,

@@ -12,18 +12,27 @@ from .flash_attention import (aclnnFlashAttentionScore, aclnnFlashAttentionScore
                               aclnnFlashAttentionScoreGrad, aclnnFlashAttentionScoreGradGetWorkspaceSize,
                               aclnnFlashAttentionScoreGradV2, aclnnFlashAttentionScoreGradV2GetWorkspaceSize,
                               aclnnFlashAttentionScoreGradV3, aclnnFlashAttentionScoreGradV3GetWorkspaceSize,
-                              aclnnFlashAttentionScoreV2, aclnnFlashAttentionScoreV2GetWorkspaceSize)
+                              aclnnFlashAttentionScoreV2, aclnnFlashAttentionScoreV2GetWorkspaceSize,
+                              aclnnFlashAttentionScoreV3, aclnnFlashAttentionScoreV3GetWorkspaceSize)
 from .flash_attention_varlen import (aclnnFlashAttentionUnpaddingScoreGrad,
                                      aclnnFlashAttentionUnpaddingScoreGradGetWorkspaceSize,
                                      aclnnFlashAttentionUnpaddingScoreGradV2,
                                      aclnnFlashAttentionUnpaddingScoreGradV2GetWorkspaceSize,
                                      aclnnFlashAttentionUnpaddingScoreGradV3,
                                      aclnnFlashAttentionUnpaddingScoreGradV3GetWorkspaceSize,
+                                     aclnnFlashAttentionUnpaddingScoreGradV4,
+                                     aclnnFlashAttentionUnpaddingScoreGradV4GetWorkspaceSize,
+                                     aclnnFlashAttentionUnpaddingScoreGradV5,
+                                     aclnnFlashAttentionUnpaddingScoreGradV5GetWorkspaceSize,
                                      aclnnFlashAttentionVarLenScore, aclnnFlashAttentionVarLenScoreGetWorkspaceSize,
                                      aclnnFlashAttentionVarLenScoreV2,
                                      aclnnFlashAttentionVarLenScoreV2GetWorkspaceSize,
                                      aclnnFlashAttentionVarLenScoreV3,
-                                     aclnnFlashAttentionVarLenScoreV3GetWorkspaceSize)
+                                     aclnnFlashAttentionVarLenScoreV3GetWorkspaceSize,
+                                     aclnnFlashAttentionVarLenScoreV4,
+                                     aclnnFlashAttentionVarLenScoreV4GetWorkspaceSize,
+                                     aclnnFlashAttentionVarLenScoreV5,
+                                     aclnnFlashAttentionVarLenScoreV5GetWorkspaceSize)
 from .runtime import *  # noqa: F401,F403 - the AscendCL names, as in C
 from .scaled_masked_softmax import (aclnnScaledMaskedSoftmax, aclnnScaledMaskedSoftmaxBackward,
                                     aclnnScaledMaskedSoftmaxBackwardGetWorkspaceSize,

@@ -1,4 +1,4 @@
-"""aclnnFlashAttentionVarLenScore(V2, V3) and aclnnFlashAttentionUnpaddingScoreGrad(V2, V3): thin two-phase wrappers.
+"""aclnnFlashAttentionVarLenScore(V2..V5) and aclnnFlashAttentionUnpaddingScoreGrad(V2..V5): thin two-phase wrappers.
 
 Parameters in CANN's C order: the FlashAttentionScore(Grad) order of :mod:`attngrad.aclnn.flash_attention` with
 ``actualSeqQLenOptional, actualSeqKvLenOptional`` after ``prefixOptional`` (V2 adds ``qStartIdxOptional,
@@ -8,7 +8,12 @@ live in :mod:`attngrad.ops.flash_attention_varlen` (``cann_limits=True``). ``sof
 ``paddingMaskOptional``, ``softmaxInOptional`` and ``dpseOut`` are reserved by CANN and left untouched.
 V3 (MLA) adds ``queryRope`` after ``query`` and ``keyRope`` / ``keyInRope`` after ``key`` / ``keyIn``; the
 grad adds ``dqRopeOut`` / ``dkRopeOut`` after ``dqOut`` / ``dkOut`` (attngrad: every dtype, mask, pse and
-dropout, where CANN takes bfloat16 with a mask and without pse or dropout).
+dropout, where CANN takes bfloat16 with a mask and without pse or dropout). V4 is V1 with the statistics' data
+order: ``softmaxOutLayout`` after ``sparseMode`` (forward), ``softmaxInLayout`` after ``dpseOut`` (grad); "" (or
+null) is the default order, "same_as_input" the ``[T1, N1, 8]`` rows of the input. V5 is V3 with the sink and
+that order: ``sinkOptional`` after ``attenMask`` and ``softmaxOutLayout`` after ``pseType`` (forward);
+``sinkInOptional`` after ``attentionIn``, ``softmaxInLayout`` after ``pseType`` and ``dsinkOut`` after
+``dpseOut`` (grad).
 """
 
 from __future__ import annotations
@@ -29,6 +34,11 @@ VARLEN_GRAD_V2_PARAMS = with_seq_lens(GRAD_V2_PARAMS)
 VARLEN_FORWARD_V3_PARAMS = inserted(VARLEN_FORWARD_V2_PARAMS, queryRope="query", keyRope="key")
 VARLEN_GRAD_V3_PARAMS = inserted(VARLEN_GRAD_V2_PARAMS, queryRope="query", keyInRope="keyIn", dqRopeOut="dqOut",
                                  dkRopeOut="dkOut")
+VARLEN_FORWARD_V4_PARAMS = inserted(v1_params(VARLEN_FORWARD_V2_PARAMS), softmaxOutLayout="sparseMode")
+VARLEN_GRAD_V4_PARAMS = inserted(v1_params(VARLEN_GRAD_V2_PARAMS), softmaxInLayout="dpseOut")
+VARLEN_FORWARD_V5_PARAMS = inserted(VARLEN_FORWARD_V3_PARAMS, sink="attenMask", softmaxOutLayout="pseType")
+VARLEN_GRAD_V5_PARAMS = inserted(VARLEN_GRAD_V3_PARAMS, sinkIn="attentionIn", softmaxInLayout="pseType",
+                                 dsinkOut="dpseOut")
 
 aclnnFlashAttentionVarLenScoreGetWorkspaceSize, aclnnFlashAttentionVarLenScore = two_phase(
     "aclnnFlashAttentionVarLenScore", forward_prepare(contract, v1_params(VARLEN_FORWARD_V2_PARAMS)))
@@ -42,3 +52,11 @@ aclnnFlashAttentionVarLenScoreV3GetWorkspaceSize, aclnnFlashAttentionVarLenScore
     "aclnnFlashAttentionVarLenScoreV3", forward_prepare(contract, VARLEN_FORWARD_V3_PARAMS))
 aclnnFlashAttentionUnpaddingScoreGradV3GetWorkspaceSize, aclnnFlashAttentionUnpaddingScoreGradV3 = two_phase(
     "aclnnFlashAttentionUnpaddingScoreGradV3", grad_prepare(contract, VARLEN_GRAD_V3_PARAMS))
+aclnnFlashAttentionVarLenScoreV4GetWorkspaceSize, aclnnFlashAttentionVarLenScoreV4 = two_phase(
+    "aclnnFlashAttentionVarLenScoreV4", forward_prepare(contract, VARLEN_FORWARD_V4_PARAMS))
+aclnnFlashAttentionUnpaddingScoreGradV4GetWorkspaceSize, aclnnFlashAttentionUnpaddingScoreGradV4 = two_phase(
+    "aclnnFlashAttentionUnpaddingScoreGradV4", grad_prepare(contract, VARLEN_GRAD_V4_PARAMS))
+aclnnFlashAttentionVarLenScoreV5GetWorkspaceSize, aclnnFlashAttentionVarLenScoreV5 = two_phase(
+    "aclnnFlashAttentionVarLenScoreV5", forward_prepare(contract, VARLEN_FORWARD_V5_PARAMS))
+aclnnFlashAttentionUnpaddingScoreGradV5GetWorkspaceSize, aclnnFlashAttentionUnpaddingScoreGradV5 = two_phase(
+    "aclnnFlashAttentionUnpaddingScoreGradV5", grad_prepare(contract, VARLEN_GRAD_V5_PARAMS))
