@@ -69,6 +69,21 @@ def _rounded_product_impl(x, scale, like):
     return lambda x, scale, like: widen(narrow(widen(x) * scale, like))
 
 
+@intrinsic
+def _fill_where(typingctx, masked, fill, v):
+    """``fill if masked else v`` for a uint8 mask element and float32 values, as one LLVM ``select``. The Python
+    conditional in the backward's fused row loop becomes a branch around v's loads, and LLVM then leaves the
+    loop scalar for bf16 / fp16 (seen on AVX2: 6x slower)."""
+    if not isinstance(masked, types.Integer) or fill != types.float32 or v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        is_masked = builder.icmp_unsigned("!=", args[0], ir.Constant(args[0].type, 0))
+        return builder.select(is_masked, args[1], args[2])
+
+    return types.float32(masked, fill, v), codegen
+
+
 @njit(inline="always")
 def _row_of(b, n, s, mask):
     """(b, n, s) of the data -> the row: (b, n, s) and (bm, nm) of the (broadcast) mask."""
@@ -277,7 +292,7 @@ def _row_dot(grad_output, y, row):
 def _grad(grad_output, y, mask, row, j, acc, scale):
     b, n, s, bm, nm = row
     g = (widen(grad_output[b, n, s, j]) - acc) * widen(y[b, n, s, j]) * scale
-    return np.float32(0.0) if mask[bm, nm, s, j] else g
+    return _fill_where(mask[bm, nm, s, j], np.float32(0.0), g)
 
 
 @njit(inline="always", fastmath=FASTMATH)
