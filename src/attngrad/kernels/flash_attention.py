@@ -78,7 +78,6 @@ from numba.extending import overload
 from .flash_attention_plan import MASKED_LOGIT, AttentionPlan
 from .gemm_paths import CALIBRATED_DTYPES, WIDENED, gemm_path
 from .gemm import BRGEMM_DTYPES, NO_TRANS, TRANS, brgemm, brgemm_release, gemm
-from .layouts import launch
 from .numeric import (FASTMATH, LOG2E, aligned_empty, array_at, exp2_32, exp32, fmaximum, narrow, narrow_ftz,
                       prefer_512_bit_vectors, row_address, widen)
 from .tensor_view import kernel_view, new_output
@@ -884,7 +883,7 @@ def _dynamic(kernel, *args) -> None:
     """Run a task-parallel kernel with chunk size 1 (tasks handed out one by one: balanced when costs differ)."""
     previous = set_parallel_chunksize(1)
     try:
-        launch(kernel, *args)
+        kernel(*args)
     finally:
         set_parallel_chunksize(previous)
 

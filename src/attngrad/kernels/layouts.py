@@ -1,11 +1,16 @@
 """One compiled specialisation of a kernel for every mix of contiguous and strided array arguments.
 
 numba compiles a kernel once per tuple of argument types, and an array's type records its layout: C-contiguous
-(``'C'``) or any strides (``'A'``). A kernel that reads some views in place (varlen TND rows, strided outputs of
-the aclnn layer, transposed inputs) would otherwise compile again for each combination of contiguous and strided
-arguments (a minute each for the large kernels). :func:`launch` calls a kernel as numba types it when every
-array is C-contiguous (the fast common case) and otherwise with every array typed ``'A'``, so a kernel has at
-most two specialisations per dtype combination. Results do not depend on the layout types.
+(``'C'``) or any strides (``'A'``). A kernel that reads some views in place (transposed or expanded inputs,
+strided outputs of the aclnn layer) would otherwise compile again for each combination of contiguous and strided
+arguments (up to a minute each). :func:`launch` calls a kernel as numba types it when every array is
+C-contiguous (the fast common case) and otherwise with every array typed ``'A'``, so a kernel has at most two
+specialisations per dtype combination.
+
+Only for kernels whose results do not depend on those types: ExpSegsum (its tests compare strided and contiguous
+calls bit for bit). Flash attention and ScaledMaskedSoftmax keep numba's per-layout specialisations: typed
+``'A'``, LLVM vectorises some of their fast-math row reductions differently, so strided and contiguous calls would
+round differently, and those operators promise the same bits.
 """
 
 from __future__ import annotations
