@@ -104,6 +104,14 @@ class VarlenGeometry:
         """Flat index of batch b's first score in the concatenated [N1, Sq_b, Skv_b] blocks (b = B: the total)."""
         return self._score_starts[b]
 
+    @cached_property
+    def cann_stats_order(self) -> torch.Tensor:
+        """int64 [sum Sq_b * N1]: entry ``q0 * N1 + n * Sq_b + i`` of CANN's default softmax order (batch b a
+        contiguous ``[N1, Sq_b]`` block at row offset ``q0 * N1``) holds the true TND element ``(q0 + i) * N1 + n``."""
+        blocks = [torch.arange(q0 * self.n1, q1 * self.n1).view(q1 - q0, self.n1).T.reshape(-1)
+                  for q0, q1, _, _ in map(self.rows, range(self.batch_count))]
+        return torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.int64)
+
     stats_rule = "[T1, N1, 8]"
 
     @property
@@ -371,12 +379,12 @@ def _batch_stats(stats: torch.Tensor, layout: str, n1: int, q0: int, q1: int) ->
 
 
 def _pack_stats(stats: torch.Tensor, layout: str, geo: VarlenGeometry) -> torch.Tensor:
-    """[T1, N1] float32 in true TND order -> [T1, N1, 8] in ``layout`` order (rows beyond the totals 0)."""
+    """[T1, N1] float32 in true TND order -> [T1, N1, 8] in ``layout`` order (rows beyond the totals 0): the
+    default order is one gather through :attr:`VarlenGeometry.cann_stats_order` (whatever the batch count)."""
     if layout == "":
+        order = geo.cann_stats_order
         flat = torch.zeros(geo.t1 * geo.n1, dtype=torch.float32)
-        for b in range(geo.batch_count):
-            q0, q1, _, _ = geo.rows(b)
-            flat[q0 * geo.n1:q1 * geo.n1] = stats[q0:q1].T.reshape(-1)
+        flat[:order.numel()] = stats.reshape(-1)[order]
         stats = flat.view(geo.t1, geo.n1)
     return stats8(stats)
 
