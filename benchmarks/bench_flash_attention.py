@@ -1,6 +1,6 @@
 """FlashAttentionScore forward and grad: attngrad's fused kernels against torch's C++ flash attention (CPU).
 
-Cases (BNSD, scale 1/sqrt(D); plans resolved by the contract from CANN's arguments):
+Cases (BNSD, scale 1/sqrt(D), 1/sqrt(D + Dr) with rope; plans resolved by the contract from CANN's arguments):
 
 * B1 N8 S2048 D128, bf16 and fp32: full attention, and causal as CANN's sparse mode 2 with its compressed
   [2048, 2048] mask (torch: ``is_causal=True``, top-left aligned too);
