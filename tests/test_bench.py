@@ -98,6 +98,11 @@ def test_quick_selection_by_operator(argv, expected):
     assert ops >= expected if not argv else ops == expected
     assert all(next(iter(c.impls)).startswith("attngrad") for c in cases)
     assert all(c.bytes_moved or c.flops or c.roofline == "none" for c in cases)
+    if not argv:  # the rope and sink cases can be run alone by their labels (cases are built once per process)
+        for size, names in (("rope Dr64", {"attngrad fused rope", "attngrad on concatenated q/k"}),
+                            (" sink", {"attngrad sink", "attngrad no sink"})):
+            picked = bench.collect_cases(parse("--quick", "--op", "FlashAttention", "--size", size))
+            assert len(picked) >= 2 and all(names <= set(c.impls) for c in picked)
 
 
 def test_selection_by_dtype_and_size():
@@ -117,6 +122,34 @@ def test_sms_cases_compute_the_same_thing():
     assert len(allocated) >= 2
     for o in allocated[1:]:
         torch.testing.assert_close(o, allocated[0], rtol=1e-5, atol=1e-6)
+
+
+def test_rope_and_sink_cases_compute_what_they_compare():
+    """Rope: fused == attngrad on the concatenated q / k (dq / dk split at D) ~ torch on them (v padded).
+    Sink: only the sink side has it (its sum includes exp(sink)) and returns dsink."""
+    from attngrad.benchmarks.bench_flash_attention import rope_cases, sink_cases
+
+    shape, d = (1, 2, 64, 128), 128
+    grad, forward = rope_cases(shape, torch.bfloat16)
+    fused, concat, peer = (fn() for fn in grad.impls.values())
+    for got, want in ((fused[0], concat[0][..., :d]), (fused[4], concat[0][..., d:]), (fused[1], concat[1][..., :d]),
+                      (fused[5], concat[1][..., d:]), (fused[2], concat[2])):
+        torch.testing.assert_close(got, want, rtol=0.02, atol=0.02)
+    torch.testing.assert_close(concat[0], peer[0], rtol=0.05, atol=0.05)
+    torch.testing.assert_close(concat[2], peer[2][..., :d], rtol=0.05, atol=0.05)
+    out, out_concat, out_peer = (fn() for fn in forward.impls.values())
+    torch.testing.assert_close(out[0], out_concat[0], rtol=0.02, atol=0.02)
+    torch.testing.assert_close(out[0], out_peer[..., :d], rtol=0.05, atol=0.05)
+    assert "MiB" in grad.notes and forward.flops == 2 * (2 * d + 64) * 64 * 65  # causal: S (S + 1) / 2 pairs per head
+
+    grad, forward = sink_cases(shape)
+    with_sink, without = (fn() for fn in grad.impls.values())
+    assert with_sink[6].shape == (2,) and without[6] is None
+    (_, m, s), (_, m0, s0) = (fn() for fn in forward.impls.values())
+    # the sink's term exp(sink[n]) of every row's sum (the first rows: few keys, no cancellation)
+    extra = (s * torch.exp(m) - s0 * torch.exp(m0))[..., :8]
+    assert (extra > 0).all()
+    torch.testing.assert_close(extra, extra[..., :1].expand_as(extra), rtol=1e-3, atol=0)
 
 
 def test_render_and_plots(tmp_path):
