@@ -16,7 +16,7 @@ from attngrad.kernels.gemm import _gemm_for_test
 from attngrad.kernels.tensor_view import kernel_view
 from attngrad.precision import assert_close
 
-from helpers import attention_inputs, torch_threads
+from helpers import attention_inputs, same_up_to_gemm_order, torch_threads
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -176,14 +176,11 @@ def _untouched(buf, view):
 
 
 def _same(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Equal up to the last bits: MKL's GEMMs (sgemm, and the fp16/bf16 ones that accumulate in fp32) pick their
-    kernel by leading dimension and row alignment, so the fp32 summation order may differ between the strided
-    and the contiguous call, and a last-bit difference can move a half-precision rounding by one ulp (seen in
-    fp16, depending on where the allocator put the buffers). fp32 within a few fp32 ulps, fp16/bf16 within two
-    ulps of their own."""
+    """Equal up to the GEMMs' summation order: fp32 within a few fp32 ulps, fp16/bf16 as
+    :func:`helpers.same_up_to_gemm_order` says."""
     if dtype == torch.float32:
         return torch.allclose(got, want, rtol=1e-5, atol=1e-6)
-    return torch.allclose(got.float(), want.float(), rtol=2 * torch.finfo(dtype).eps, atol=1e-5)
+    return same_up_to_gemm_order(got, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
