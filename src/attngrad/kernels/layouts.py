@@ -9,8 +9,9 @@ specialisations per dtype combination.
 
 Only for kernels whose results do not depend on those types: ExpSegsum (its tests compare strided and contiguous
 calls bit for bit). Flash attention and ScaledMaskedSoftmax keep numba's per-layout specialisations: typed
-``'A'``, LLVM vectorises some of their fast-math row reductions differently, so strided and contiguous calls would
-round differently, and those operators promise the same bits.
+``'A'``, LLVM vectorises some of their fast-math row reductions differently, so strided and contiguous calls
+would round differently where they now give the same bits (every softmax call; flash attention wherever its
+GEMMs' order does not depend on the operands' placement, as on torch's float32 brgemm).
 """
 
 from __future__ import annotations
