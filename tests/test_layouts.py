@@ -6,7 +6,7 @@ from typing import NamedTuple
 import numpy as np
 from numba import njit
 
-from attngrad.kernels.layouts import launch, uniform_layout
+from attngrad.kernels.layouts import launch, launch_strided, uniform_layout
 
 
 class Pair(NamedTuple):
@@ -43,3 +43,15 @@ def test_all_contiguous_arguments_keep_their_own_type():
     kernel(Pair(x, x, 2.0), out)
     np.testing.assert_array_equal(out, 4 * x)
     assert [sig[1].layout for sig in kernel.dispatcher.signatures] == ["C"]
+
+
+def test_launch_strided_compiles_one_specialisation_except_for_exact_arguments():
+    kernel = _kernel()
+    x = np.arange(16, dtype=np.float32)
+    contiguous, strided = x[:8].copy(), x[::2]
+    for a, out in ((contiguous, np.empty(8, np.float32)), (strided, np.empty(8, np.float32)),
+                   (contiguous, np.empty(16, np.float32)[::2])):
+        launch_strided(kernel, Pair(a, contiguous, 0.5), out, exact=(1,))
+        np.testing.assert_array_equal(out, (a + contiguous) * np.float32(0.5))
+    layouts = {tuple(t.layout for t in sig[0].types[:2]) + (sig[1].layout,) for sig in kernel.signatures}
+    assert layouts == {("A", "A", "C"), ("A", "A", "A")}

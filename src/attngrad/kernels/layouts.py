@@ -20,6 +20,7 @@ import functools
 
 import numpy as np
 from numba import typeof, types
+from numba._dispatcher import compute_fingerprint
 
 
 def _all_c_contiguous(value) -> bool:
@@ -47,6 +48,22 @@ def launch(kernel, *args):
     if _all_c_contiguous(args):
         return kernel(*args)
     return kernel.compile(tuple(_strided(typeof(a)) for a in args))(*args)
+
+
+_entry_points: dict = {}
+
+
+def launch_strided(kernel, *args, exact: tuple[int, ...] = ()):
+    """Call the numba dispatcher ``kernel`` with the arrays of every argument typed ``'A'`` (also inside tuples and
+    namedtuples) except the arguments at the positions in ``exact``, typed as numba types them: one specialisation
+    per combination of dtypes whatever the layouts. For kernels that loop over rows through C-contiguous row views
+    (:func:`.numeric.array_at`): their results then do not depend on the typing."""
+    key = (kernel, exact, *map(compute_fingerprint, args))  # numba's own type key of a value: a microsecond
+    entry = _entry_points.get(key)
+    if entry is None:
+        signature = tuple(typeof(a) if i in exact else _strided(typeof(a)) for i, a in enumerate(args))
+        entry = _entry_points[key] = kernel.compile(signature)
+    return entry(*args)
 
 
 def uniform_layout(kernel):
