@@ -52,7 +52,12 @@ Tiles and work split (both cores busy even for one head, results identical for a
 Kernel arguments come in typed bundles (namedtuples, so numba compiles them to plain values): the plan
 (:class:`KernelPlan`), the operands (:class:`ForwardOperands`, :class:`BackwardOperands`), the backward's outputs
 (:class:`Gradients`), a task's scratch tiles (:class:`ForwardScratch`, :class:`BackwardScratch`) and a tile's
-position (:class:`Tile`).
+position (:class:`Tile`). The two tile kernels type their operand and output arrays with any strides
+(:func:`.layouts.launch_strided`: one compiled specialisation per dtype combination, where numba's own typing
+compiled one per mix of contiguous and strided arrays, up to a minute each) and read them row by row through
+C-contiguous views (:func:`_row`) or by address (the GEMMs), so contiguous, strided and varlen calls run the same
+code and give the same bits wherever their GEMMs do. The small kernels (packing, row dots, the dQ sum) keep
+numba's typing: they compile in seconds, and their loops give the same bits either way.
 
 Extra memory: per task a few [BQ, BK] tiles plus the fp32 dQ slices (``chunks * B*N1*Sq*D``), the packed
 bf16 K, V of the forward and the Q^T, dY^T copies of the backward: O(S*D), never an [Sq, Skv] tensor beyond
@@ -78,6 +83,7 @@ from numba.extending import overload
 from .flash_attention_plan import MASKED_LOGIT, AttentionPlan
 from .gemm_paths import CALIBRATED_DTYPES, WIDENED, gemm_path
 from .gemm import BRGEMM_DTYPES, NO_TRANS, TRANS, brgemm, brgemm_release, gemm
+from .layouts import launch_strided
 from .numeric import (FASTMATH, LOG2E, aligned_empty, array_at, exp2_32, exp32, fmaximum, narrow, narrow_ftz,
                       prefer_512_bit_vectors, row_address, widen)
 from .tensor_view import kernel_view, new_output
@@ -714,12 +720,13 @@ def _add_dpse_row(s, r, tile, plan, dpse):
     bp = b if dpse.shape[0] > 1 else 0
     if plan.pse_kind == _PSE_COMPRESSED:
         row, off = _compressed_source(i, plan.sq, dpse.shape[2], dpse.shape[3])
+        out = _row(dpse, bp, n, row)
         for c in range(max(min(cols, i - j0 + 1), 0)):
-            dpse[bp, n, row, j0 + c + off] += s[r, c] * factor
+            out[j0 + c + off] += s[r, c] * factor
         return
-    row = i if dpse.shape[2] > 1 else 0
+    out = _row(dpse, bp, n, i if dpse.shape[2] > 1 else 0)
     for c in range(cols):  # widen/narrow: identity on an fp32 accumulator; rounding on a direct output
-        dpse[bp, n, row, j0 + c] = narrow(widen(dpse[bp, n, row, j0 + c]) + s[r, c] * factor, dpse)
+        out[j0 + c] = narrow(widen(out[j0 + c]) + s[r, c] * factor, dpse)
 
 
 @njit(inline="always")
@@ -879,11 +886,12 @@ def _finish_dq_kernel(dq_acc, scale, dq):
             dqr[d] = narrow(acc * scale, dq)
 
 
-def _dynamic(kernel, *args) -> None:
-    """Run a task-parallel kernel with chunk size 1 (tasks handed out one by one: balanced when costs differ)."""
+def _dynamic(kernel, *args, exact: tuple[int, ...]) -> None:
+    """Run a task-parallel kernel (:func:`.layouts.launch_strided`) with chunk size 1 (tasks handed out one by one:
+    balanced when costs differ)."""
     previous = set_parallel_chunksize(1)
     try:
-        kernel(*args)
+        launch_strided(kernel, *args, exact=exact)
     finally:
         set_parallel_chunksize(previous)
 
@@ -891,8 +899,8 @@ def _dynamic(kernel, *args) -> None:
 def _view(t: torch.Tensor, in_place: bool = False) -> np.ndarray:
     """Kernel view of t: a C-contiguous copy unless t already is one, or, with ``in_place``, t itself when its
     rows are unit-stride and do not overlap (a TND batch seen as BNSD: the GEMMs read ``[S, D]`` matrices with
-    leading dimension stride(-2)). In-place views are for the varlen layer only: every distinct mix of
-    contiguous and strided arrays is one more compiled specialisation of the kernels (about 15 s each)."""
+    leading dimension stride(-2)). In-place views are for the varlen layer and preallocated outputs; the kernels
+    compile one specialisation for any strides (:func:`.layouts.launch_strided`)."""
     unit_rows = t.stride(-1) == 1 or t.shape[-1] == 1
     if not (in_place and unit_rows and (t.shape[-2] == 1 or t.stride(-2) >= t.shape[-1])):
         t = t.contiguous()
@@ -1001,7 +1009,7 @@ def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=
     q, k, v = _widened(plan, q, k, v)
     rope = rope and _widened(plan, *rope)
     operands = _forward_operands(q, *(_view(t, in_place) for t in (q, k, v)), _rope_views(q, rope, in_place))
-    _dynamic(_forward_kernel, operands, kplan, kernel_view(out), smax.numpy(), ssum.numpy())
+    _dynamic(_forward_kernel, operands, kplan, kernel_view(out), smax.numpy(), ssum.numpy(), exact=(1,))
     return out, smax, ssum
 
 
@@ -1089,7 +1097,7 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     dqr_acc = np.zeros((chunks, B, N1, Sq, rope_dim) if has_rope else (1, 1, 1, 1, 1), np.float32)
     dkr = np.empty((B, N2, Skv, rope_dim) if has_rope else (1, 1, 1, 1), np.float32)
     grads = Gradients(dq_acc, kernel_view(dk), kernel_view(dv), dpse, dqr_acc, dkr)
-    _dynamic(_backward_kernel, operands, kplan, grads, _pack_like(q), batch_tasks)
+    _dynamic(_backward_kernel, operands, kplan, grads, _pack_like(q), batch_tasks, exact=(1, 3, 4))
     _finish_dq_kernel(dq_acc, kplan.scale, kernel_view(dq))
     if want_dpse and dpse_out is None:
         dpse_out = torch.from_numpy(dpse).to(plan.pse.dtype)

@@ -8,10 +8,10 @@ C-contiguous (the fast common case) and otherwise with every array typed ``'A'``
 specialisations per dtype combination.
 
 Only for kernels whose results do not depend on those types: ExpSegsum (its tests compare strided and contiguous
-calls bit for bit). Flash attention and ScaledMaskedSoftmax keep numba's per-layout specialisations: typed
-``'A'``, LLVM vectorises some of their fast-math row reductions differently, so strided and contiguous calls
-would round differently where they now give the same bits (every softmax call; flash attention wherever its
-GEMMs' order does not depend on the operands' placement, as on torch's float32 brgemm).
+calls bit for bit). Kernels whose loops index strided arrays element by element would round differently typed
+``'A'`` (LLVM vectorises their fast-math reductions otherwise); kernels that loop over C-contiguous row views
+built from addresses (flash attention) run typed ``'A'`` always, one specialisation per dtype combination
+(:func:`launch_strided`). ScaledMaskedSoftmax keeps numba's per-layout specialisations.
 """
 
 from __future__ import annotations
