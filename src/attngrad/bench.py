@@ -147,9 +147,9 @@ def machine_text(machine: dict) -> str:
 
 
 def rooflines_text(r: dict[str, float]) -> str:
-    return (f"copy {r['copy_gbps']:.1f} GB/s, fp32 GEMM {r['gemm_fp32_tflops']:.2f} TFLOP/s, bf16 GEMM "
-            f"{r['gemm_bf16_tflops']:.2f} TFLOP/s native, {r['gemm_bf16_widened_tflops']:.2f} TFLOP/s widened to fp32 "
-            f"(best {r['gemm_bf16_best_tflops']:.2f})")
+    return (f"copy {r['copy_gbps']:.1f} GB/s, fp32 GEMM {r['gemm_fp32_tflops']:.3g} TFLOP/s, bf16 GEMM "
+            f"{r['gemm_bf16_tflops']:.3g} TFLOP/s native, {r['gemm_bf16_widened_tflops']:.3g} TFLOP/s widened to fp32 "
+            f"(best {r['gemm_bf16_best_tflops']:.3g})")
 
 
 @functools.lru_cache(maxsize=None)
