@@ -8,10 +8,11 @@ C-contiguous (the fast common case) and otherwise with every array typed ``'A'``
 specialisations per dtype combination.
 
 Only for kernels whose results do not depend on those types: ExpSegsum (its tests compare strided and contiguous
-calls bit for bit). Flash attention and ScaledMaskedSoftmax keep numba's per-layout specialisations: typed
-``'A'``, LLVM vectorises some of their fast-math row reductions differently, so strided and contiguous calls
-would round differently where they now give the same bits (every softmax call; flash attention wherever its
-GEMMs' order does not depend on the operands' placement, as on torch's float32 brgemm).
+calls bit for bit). Flash attention keeps numba's per-layout specialisations: typed ``'A'``, LLVM vectorises some
+of its fast-math row reductions differently, so strided and contiguous calls would round differently where they
+now give the same bits (wherever its GEMMs' order does not depend on the operands' placement, as on torch's
+float32 brgemm). ScaledMaskedSoftmax reads every row through a C-contiguous row view, so :func:`launch_strided`
+gives it one specialisation per dtype combination, and strided calls the bits of contiguous ones.
 """
 
 from __future__ import annotations
