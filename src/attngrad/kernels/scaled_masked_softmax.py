@@ -9,7 +9,7 @@ Contract: data ``[B, N, S1, S2]`` (float32 as float32, bfloat16 as uint16, float
 Layouts: every loop reads an input or mask row through a C-contiguous 1-D view made from the row's address
 (:func:`_row_view`; a row whose last dim is not unit-stride is first copied to a scratch row), and writes the output
 row by address (:func:`_put_row`). So the kernels are compiled once per dtype combination, with every array typed
-as any-strided (:func:`.layouts.launch_strided`), and a strided call gives the same bits as a contiguous one.
+as any-strided (:func:`.layouts.strided_layout`), and a strided call gives the same bits as a contiguous one.
 
 Rows are independent; ``prange`` runs over fixed blocks of ``_ROWS_PER_TASK`` rows, so every row is computed by
 the same instructions for any thread count (bit-identical results). Each row is read from memory once and
@@ -37,7 +37,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from .layouts import launch_strided
+from .layouts import strided_layout
 from .numeric import (FASTMATH, LOG2E, NO_POSITIVE, aligned_empty, array_at, copy_row, exp2_nonpositive, fmax_any_nan,
                       narrow, narrow_ftz, narrow_ftz_exact, prefer_512_bit_vectors, prefetch_bytes, row_address,
                       stream_fence, track_flushable, widen)
@@ -305,9 +305,16 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
     _put_row(y, y_address, _row_of(b0, n0, s0, mask), out, out_address, stream)
 
 
+@on_torch_threads
+@strided_layout
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def _forward(x, mask, scale, round_scaled, stream, y):
-    """:func:`scaled_masked_softmax_forward`'s kernel."""
+def scaled_masked_softmax_forward(x, mask, scale, round_scaled, stream, y):
+    """y = softmax(where(mask, -10000, x * scale)) over the last axis, fp32 math.
+
+    ``round_scaled``: the fp16 path of CANN scales in fp16, so ``x * scale`` is rounded to x's dtype
+    (``scale`` is then already the fp16-rounded value). ``stream``: y is written by non-temporal stores
+    (:func:`.numeric.streams`).
+    """
     rows = x.shape[0] * x.shape[1] * x.shape[2]
     for task in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         prefer_512_bit_vectors()
@@ -319,18 +326,6 @@ def _forward(x, mask, scale, round_scaled, stream, y):
                        stream)
         if stream:
             stream_fence()
-
-
-@on_torch_threads
-def scaled_masked_softmax_forward(x, mask, scale, round_scaled, stream, y):
-    """y = softmax(where(mask, -10000, x * scale)) over the last axis, fp32 math; one compiled kernel per dtype
-    combination whatever the strides (:func:`.layouts.launch_strided`).
-
-    ``round_scaled``: the fp16 path of CANN scales in fp16, so ``x * scale`` is rounded to x's dtype
-    (``scale`` is then already the fp16-rounded value). ``stream``: y is written by non-temporal stores
-    (:func:`.numeric.streams`).
-    """
-    launch_strided(_forward, x, mask, scale, round_scaled, stream, y)
 
 
 @njit(inline="always")
@@ -384,9 +379,12 @@ def _backward_block(grad_output, y, mask, scale, out, first, last, row_out, scra
         b, n, s = b1, n1, s1
 
 
+@on_torch_threads
+@strided_layout
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def _backward(grad_output, y, mask, scale, stream, out):
-    """:func:`scaled_masked_softmax_backward`'s kernel."""
+def scaled_masked_softmax_backward(grad_output, y, mask, scale, stream, out):
+    """out = where(mask, 0, (dy - sum(dy * y)) * y * scale); the row sum runs over ALL positions. ``stream``:
+    out is written by non-temporal stores (:func:`.numeric.streams`)."""
     rows = grad_output.shape[0] * grad_output.shape[1] * grad_output.shape[2]
     for task in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         prefer_512_bit_vectors()
@@ -397,11 +395,3 @@ def _backward(grad_output, y, mask, scale, stream, out):
                         stream)
         if stream:
             stream_fence()
-
-
-@on_torch_threads
-def scaled_masked_softmax_backward(grad_output, y, mask, scale, stream, out):
-    """out = where(mask, 0, (dy - sum(dy * y)) * y * scale); the row sum runs over ALL positions. ``stream``:
-    out is written by non-temporal stores (:func:`.numeric.streams`). One compiled kernel per dtype combination
-    whatever the strides (:func:`.layouts.launch_strided`)."""
-    launch_strided(_backward, grad_output, y, mask, scale, stream, out)
