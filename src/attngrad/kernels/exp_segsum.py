@@ -40,7 +40,7 @@ from numba import njit, prange
 
 from .numeric import (FASTMATH, aligned_empty, array_at, copy_row, exp_for, narrow, narrow_ftz, narrow_ftz_flushes,
                       prefer_512_bit_vectors, prefetch_bytes, row_address, stream_fence, widen)
-from .layouts import uniform_layout
+from .layouts import strided_layout
 from .threads import on_torch_threads
 
 
@@ -117,7 +117,7 @@ def _width(i, padded):
 
 
 @on_torch_threads
-@uniform_layout
+@strided_layout
 @njit(parallel=True, fastmath=_ORDERED, cache=True)
 def exp_segsum_forward(x, splits, stream, out):
     """x ``[A, B, C, T]`` -> out ``[A, B, C, T, T]`` (any strides), fp32 sums and exp. ``stream``: out's rows are
@@ -238,7 +238,7 @@ def _sweep(go, gs, j0, j1, totals, go_next, gs_next):
 
 
 @on_torch_threads
-@uniform_layout
+@strided_layout
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def exp_segsum_backward(grad_output, grad_self, splits, grad_input):
     """grad_output, grad_self ``[A, B, C, T, T]`` (unit-stride rows) -> grad_input ``[A, B, C, T]`` (any strides).

@@ -1,35 +1,24 @@
-"""One compiled specialisation of a kernel for every mix of contiguous and strided array arguments.
+"""One compiled specialisation of a kernel per dtype combination, whatever the layouts of its array arguments.
 
 numba compiles a kernel once per tuple of argument types, and an array's type records its layout: C-contiguous
 (``'C'``) or any strides (``'A'``). A kernel that reads some views in place (transposed or expanded inputs,
 strided outputs of the aclnn layer) would otherwise compile again for each combination of contiguous and strided
-arguments (up to a minute each). :func:`launch` calls a kernel as numba types it when every array is
-C-contiguous (the fast common case) and otherwise with every array typed ``'A'``, so a kernel has at most two
-specialisations per dtype combination.
+arguments (up to a minute each). :func:`launch_strided` calls a kernel with every array typed ``'A'`` (except
+the arguments it is told to type exactly), so a kernel has one specialisation per dtype combination.
 
-Only for kernels whose results do not depend on those types: ExpSegsum (its tests compare strided and contiguous
-calls bit for bit). Kernels whose loops index strided arrays element by element would round differently typed
-``'A'`` (LLVM vectorises their fast-math reductions otherwise); kernels that loop over C-contiguous row views
-built from addresses (flash attention) run typed ``'A'`` always, one specialisation per dtype combination
-(:func:`launch_strided`). ScaledMaskedSoftmax keeps numba's per-layout specialisations.
+For kernels whose results do not depend on those types: their loops over rows read C-contiguous row views made
+from the rows' addresses (:func:`.numeric.array_at`), which LLVM vectorises the same whatever the strides, where
+indexing ``'A'`` arrays in the loop would vectorise some fast-math row reductions differently. ScaledMaskedSoftmax
+and ExpSegsum launch through :func:`strided_layout`, flash attention's two tile kernels through
+:func:`launch_strided` (their plan typed exactly); the tests compare strided and contiguous calls bit for bit.
 """
 
 from __future__ import annotations
 
 import functools
 
-import numpy as np
 from numba import typeof, types
 from numba._dispatcher import compute_fingerprint
-
-
-def _all_c_contiguous(value) -> bool:
-    """True when every array in ``value`` (an array, a tuple / namedtuple of them, or a scalar) is C-contiguous."""
-    if isinstance(value, np.ndarray):
-        return value.flags.c_contiguous
-    if isinstance(value, tuple):
-        return all(_all_c_contiguous(v) for v in value)
-    return True
 
 
 def _strided(ty: types.Type) -> types.Type:
@@ -41,13 +30,6 @@ def _strided(ty: types.Type) -> types.Type:
     if isinstance(ty, types.BaseTuple):
         return types.BaseTuple.from_types([_strided(t) for t in ty.types])
     return ty
-
-
-def launch(kernel, *args):
-    """Call the numba dispatcher ``kernel`` with ``args`` (positional), typed as described in the module docstring."""
-    if _all_c_contiguous(args):
-        return kernel(*args)
-    return kernel.compile(tuple(_strided(typeof(a)) for a in args))(*args)
 
 
 _entry_points: dict = {}
@@ -66,12 +48,12 @@ def launch_strided(kernel, *args, exact: tuple[int, ...] = ()):
     return entry(*args)
 
 
-def uniform_layout(kernel):
-    """Decorator form of :func:`launch` for a numba dispatcher (positional arguments only)."""
+def strided_layout(kernel):
+    """Decorator form of :func:`launch_strided` for a numba dispatcher (positional arguments, none typed exactly)."""
 
     @functools.wraps(kernel)
     def run(*args):
-        return launch(kernel, *args)
+        return launch_strided(kernel, *args)
 
     run.dispatcher = kernel
     return run

@@ -6,6 +6,11 @@ Contract: data ``[B, N, S1, S2]`` (float32 as float32, bfloat16 as uint16, float
 ``where(mask, 0, (dy - sum(dy * y)) * y * scale)``; fp32 math, one rounding to the output type, half to even
 (docs/cann-semantics.md, 'ScaledMaskedSoftmax'). Memory: a few rows of scratch per task, nothing per element.
 
+Layouts: every loop reads an input or mask row through a C-contiguous 1-D view made from the row's address
+(:func:`_row_view`; a row whose last dim is not unit-stride is first copied to a scratch row), and writes the output
+row by address (:func:`_put_row`). So the kernels are compiled once per dtype combination, with every array typed
+as any-strided (:func:`.layouts.strided_layout`), and a strided call gives the same bits as a contiguous one.
+
 Rows are independent; ``prange`` runs over fixed blocks of ``_ROWS_PER_TASK`` rows, so every row is computed by
 the same instructions for any thread count (bit-identical results). Each row is read from memory once and
 written once:
@@ -32,9 +37,10 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from .numeric import (FASTMATH, LOG2E, NO_POSITIVE, aligned_empty, copy_row, exp2_nonpositive, fmax_any_nan, narrow,
-                      narrow_ftz, narrow_ftz_exact, prefer_512_bit_vectors, prefetch_bytes, row_address, stream_fence,
-                      track_flushable, widen)
+from .layouts import strided_layout
+from .numeric import (FASTMATH, LOG2E, NO_POSITIVE, aligned_empty, array_at, copy_row, exp2_nonpositive, fmax_any_nan,
+                      narrow, narrow_ftz, narrow_ftz_exact, prefer_512_bit_vectors, prefetch_bytes, row_address,
+                      stream_fence, track_flushable, widen)
 from .threads import on_torch_threads
 
 MASK_VALUE = np.float32(-10000.0)  # CANN fills masked logits with -10000, not -inf
@@ -109,20 +115,55 @@ def _next_row(b, n, s, N, S1):
     return b, n, s
 
 
-@njit(inline="always", fastmath=FASTMATH)
-def _logit(x, mask, row, j, scale, round_scaled):
-    """where(mask, -10000, x * scale) in fp32; the fp16 path rounds x * scale to fp16 first (CANN)."""
+@njit(inline="always")
+def _scratch_rows(count, a):
+    """Room for ``count`` rows of a 4-D array ``a`` of any kernel element type (4 bytes or less), for
+    :func:`_row_view`; slot k is at :func:`_slot` (scratch, k)."""
+    return aligned_empty((count, a.shape[3]), np.float32)
+
+
+@njit(inline="always")
+def _slot(scratch, k):
+    """Address of row k of a :func:`_scratch_rows` array."""
+    return scratch.ctypes.data + k * scratch.strides[0]
+
+
+@njit(inline="always")
+def _row_view(a, b, n, s, slot):
+    """a[b, n, s, :] as a C-contiguous 1-D array (:func:`.numeric.array_at`: no reference counted): the row in
+    place where a's last dim is unit-stride, else its elements copied to the address ``slot`` (room for a row).
+    Loops over it vectorise and compile the same, so give the same bits, whatever a's strides (indexing numba's
+    layout 'A' arrays vectorises differently)."""
+    address = row_address(a, b, n, s)
+    if a.strides[3] != a.itemsize:
+        gathered = array_at(slot, a.shape[3], a.dtype)
+        for j in range(a.shape[3]):
+            gathered[j] = a[b, n, s, j]
+        address = slot
+    return array_at(address, a.shape[3], a.dtype)
+
+
+@njit(inline="always")
+def _logit_rows(x, mask, row, scratch):
+    """The x and mask rows of ``row`` (:func:`_row_of`) as :func:`_row_view` s, in slots 0 and 1 of scratch."""
     b, n, s, bm, nm = row
-    z = _rounded_product(x[b, n, s, j], scale, x) if round_scaled else widen(x[b, n, s, j]) * scale
-    return MASK_VALUE if mask[bm, nm, s, j] else z
+    return _row_view(x, b, n, s, _slot(scratch, 0)), _row_view(mask, bm, nm, s, _slot(scratch, 1))
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _load_row(x, mask, row, scale, round_scaled, bufs, k):
-    """bufs[k] = logits of ``row``; returns their max."""
+def _logit(xr, mr, j, scale, round_scaled):
+    """where(mask, -10000, x * scale) in fp32 at column j of the rows xr, mr; the fp16 path rounds x * scale to
+    fp16 first (CANN)."""
+    z = _rounded_product(xr[j], scale, xr) if round_scaled else widen(xr[j]) * scale
+    return MASK_VALUE if mr[j] else z
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _load_row(xr, mr, scale, round_scaled, bufs, k):
+    """bufs[k] = logits of the rows xr, mr; returns their max."""
     top = np.float32(-np.inf)
     for j in range(bufs.shape[1]):
-        z = _logit(x, mask, row, j, scale, round_scaled)
+        z = _logit(xr, mr, j, scale, round_scaled)
         bufs[k, j] = z
         top = fmax_any_nan(top, z)
     return top
@@ -180,18 +221,19 @@ def _round_row(bufs, k, inv, out, y, all_normal):
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _pipelined_row(x, mask, row_nxt, scale, round_scaled, bufs, stages, top, inv, out, y, all_normal):
+def _pipelined_row(xr, mr, scale, round_scaled, bufs, stages, top, inv, out, y, all_normal):
     """:func:`_pipelined_loop` rounding by ``narrow_ftz`` when ``all_normal`` (:func:`.numeric.narrow_ftz_exact`),
     else by ``narrow``: the loop is compiled once per rounding."""
     if all_normal:
-        return _pipelined_loop(narrow_ftz, x, mask, row_nxt, scale, round_scaled, bufs, stages, top, inv, out, y)
-    return _pipelined_loop(narrow, x, mask, row_nxt, scale, round_scaled, bufs, stages, top, inv, out, y)
+        return _pipelined_loop(narrow_ftz, xr, mr, scale, round_scaled, bufs, stages, top, inv, out, y)
+    return _pipelined_loop(narrow, xr, mr, scale, round_scaled, bufs, stages, top, inv, out, y)
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _pipelined_loop(rounding, x, mask, row_nxt, scale, round_scaled, bufs, stages, top, inv, out, y):
+def _pipelined_loop(rounding, xr, mr, scale, round_scaled, bufs, stages, top, inv, out, y):
     """The three pipeline stages in one loop, ``stages = (cur, nxt, prv)`` rows of ``bufs``: out = bufs[prv] * inv
-    rounded by ``rounding``, bufs[nxt] = logits of row_nxt, bufs[cur] = exp(bufs[cur] - top). Returns the sum and
+    rounded by ``rounding``, bufs[nxt] = logits of the next row (its x and mask rows xr, mr),
+    bufs[cur] = exp(bufs[cur] - top). Returns the sum and
     :func:`.numeric.track_flushable` of the exps and the max of the logits. (The index is unsigned, so numba emits
     no negative-index wraparound in the loop.)"""
     cur, nxt, prv = stages
@@ -200,7 +242,7 @@ def _pipelined_loop(rounding, x, mask, row_nxt, scale, round_scaled, bufs, stage
     top_next = np.float32(-np.inf)
     for j in range(np.uint64(bufs.shape[1])):
         out[j] = rounding(bufs[prv, j] * inv, y)
-        z = _logit(x, mask, row_nxt, j, scale, round_scaled)
+        z = _logit(xr, mr, j, scale, round_scaled)
         bufs[nxt, j] = z
         top_next = fmax_any_nan(top_next, z)
         e = exp2_nonpositive((bufs[cur, j] - top) * LOG2E, y)
@@ -211,9 +253,10 @@ def _pipelined_loop(rounding, x, mask, row_nxt, scale, round_scaled, bufs, stage
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, stream):
+def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scratch, stream):
     """Softmax of rows [first, last): three fp32 row buffers ``bufs[0..2]`` rotate (loaded, exponentiated,
-    stored); a stored row is rounded into ``out`` and copied to y (:func:`_put_row`). The rows r - 1 .. r + 2 in
+    stored); a stored row is rounded into ``out`` and copied to y (:func:`_put_row`). x and the mask are read
+    through row views (:func:`_logit_rows`, ``scratch``: two :func:`_scratch_rows`). The rows r - 1 .. r + 2 in
     flight are (b0, n0, s0) .. (b3, n3, s3), advanced by :func:`_next_row` (the three divisions of :func:`_row`
     per row cost about 7% of a bf16 row). The row after next is prefetched: a float32 row of 1024 is one
     4 KiB page, where the hardware prefetchers stop, so without it each row would start with a cold stream."""
@@ -223,7 +266,8 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, stre
     b0, n0, s0 = b1, n1, s1
     b2, n2, s2 = _next_row(b1, n1, s1, N, S1)
     b3, n3, s3 = _next_row(b2, n2, s2, N, S1)
-    top_next = _load_row(x, mask, _row_of(b1, n1, s1, mask), scale, round_scaled, bufs, 0)
+    xr, mr = _logit_rows(x, mask, _row_of(b1, n1, s1, mask), scratch)
+    top_next = _load_row(xr, mr, scale, round_scaled, bufs, 0)
     inv = np.float32(0.0)
     all_normal = True
     for r in range(first, last):
@@ -236,8 +280,9 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, stre
             # core's miss buffers while this loop's own loads wait
             split = S2 // 2 if x.itemsize == 4 else S2
             _prefetch_columns(x, mask, row_after, r + 2 < last, 0, split)
-            total, top_next, tiny = _pipelined_row(x, mask, row_nxt, scale, round_scaled, bufs, (cur, nxt, prv),
-                                                   top, inv, out, y, all_normal)
+            xr, mr = _logit_rows(x, mask, row_nxt, scratch)
+            total, top_next, tiny = _pipelined_row(xr, mr, scale, round_scaled, bufs, (cur, nxt, prv), top, inv,
+                                                   out, y, all_normal)
             if split < S2:
                 _prefetch_columns(x, mask, row_after, r + 2 < last, split, S2)
         else:  # first and last row of the block: the three stages one after the other
@@ -245,7 +290,8 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, stre
             if r > first:
                 _round_row(bufs, prv, inv, out, y, all_normal)
             if r + 1 < last:
-                top_next = _load_row(x, mask, row_nxt, scale, round_scaled, bufs, nxt)
+                xr, mr = _logit_rows(x, mask, row_nxt, scratch)
+                top_next = _load_row(xr, mr, scale, round_scaled, bufs, nxt)
             total, tiny = _exp_row(bufs, cur, top, y)
         if r > first:
             _put_row(y, y_address, _row_of(b0, n0, s0, mask), out, out_address, stream)
@@ -260,6 +306,7 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, stre
 
 
 @on_torch_threads
+@strided_layout
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def scaled_masked_softmax_forward(x, mask, scale, round_scaled, stream, y):
     """y = softmax(where(mask, -10000, x * scale)) over the last axis, fp32 math.
@@ -273,53 +320,67 @@ def scaled_masked_softmax_forward(x, mask, scale, round_scaled, stream, y):
         prefer_512_bit_vectors()
         bufs = aligned_empty((3, x.shape[3]), np.float32)
         out = aligned_empty((x.shape[3],), y.dtype)
+        scratch = _scratch_rows(2, x)
         first = task * _ROWS_PER_TASK
-        _forward_block(x, mask, scale, round_scaled, y, first, min(rows, first + _ROWS_PER_TASK), bufs, out, stream)
+        _forward_block(x, mask, scale, round_scaled, y, first, min(rows, first + _ROWS_PER_TASK), bufs, out, scratch,
+                       stream)
         if stream:
             stream_fence()
 
 
+@njit(inline="always")
+def _gradient_rows(grad_output, y, b, n, s, scratch, k):
+    """The grad_output and y rows (b, n, s) as :func:`_row_view` s, in slots 2k and 2k + 1 of scratch (k = 0, 1:
+    the rows r and r + 1 of :func:`_backward_block` alternate)."""
+    return (_row_view(grad_output, b, n, s, _slot(scratch, 2 * k)),
+            _row_view(y, b, n, s, _slot(scratch, 2 * k + 1)))
+
+
 @njit(inline="always", fastmath=FASTMATH)
-def _row_dot(grad_output, y, row):
-    b, n, s, _, _ = row
+def _row_dot(gr, yr):
     acc = np.float32(0.0)
-    for j in range(grad_output.shape[3]):
-        acc += widen(grad_output[b, n, s, j]) * widen(y[b, n, s, j])
+    for j in range(gr.size):
+        acc += widen(gr[j]) * widen(yr[j])
     return acc
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _grad(grad_output, y, mask, row, j, acc, scale):
-    b, n, s, bm, nm = row
-    g = (widen(grad_output[b, n, s, j]) - acc) * widen(y[b, n, s, j]) * scale
-    return _fill_where(mask[bm, nm, s, j], np.float32(0.0), g)
+def _grad(gr, yr, mr, j, acc, scale):
+    g = (widen(gr[j]) - acc) * widen(yr[j]) * scale
+    return _fill_where(mr[j], np.float32(0.0), g)
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _backward_block(grad_output, y, mask, scale, out, first, last, row_out, stream):
+def _backward_block(grad_output, y, mask, scale, out, first, last, row_out, scratch, stream):
     """Gradient of rows [first, last): the row sum of row r + 1 is taken while row r is rounded into
-    ``row_out``, then copied to out (:func:`_put_row`)."""
+    ``row_out``, then copied to out (:func:`_put_row`). The inputs are read through row views (:func:`_row_view`,
+    ``scratch``: five :func:`_scratch_rows`, the mask's in slot 4)."""
     N, S1, S2 = grad_output.shape[1], grad_output.shape[2], grad_output.shape[3]
     out_address, row_out_address = out.ctypes.data, row_out.ctypes.data
     b, n, s, _, _ = _row(first, N, S1, mask)
-    acc_next = _row_dot(grad_output, y, _row_of(b, n, s, mask))
+    gr, yr = _gradient_rows(grad_output, y, b, n, s, scratch, 0)
+    acc_next = _row_dot(gr, yr)
     for r in range(first, last):
         acc = acc_next
         row = _row_of(b, n, s, mask)
+        mr = _row_view(mask, row[3], row[4], s, _slot(scratch, 4))
         b1, n1, s1 = _next_row(b, n, s, N, S1)
         if r + 1 < last:
+            gr1, yr1 = _gradient_rows(grad_output, y, b1, n1, s1, scratch, (r + 1 - first) % 2)
             acc_next = np.float32(0.0)
             for j in range(S2):
-                acc_next += widen(grad_output[b1, n1, s1, j]) * widen(y[b1, n1, s1, j])
-                row_out[j] = narrow(_grad(grad_output, y, mask, row, j, acc, scale), out)
+                acc_next += widen(gr1[j]) * widen(yr1[j])
+                row_out[j] = narrow(_grad(gr, yr, mr, j, acc, scale), out)
+            gr, yr = gr1, yr1
         else:
             for j in range(S2):
-                row_out[j] = narrow(_grad(grad_output, y, mask, row, j, acc, scale), out)
+                row_out[j] = narrow(_grad(gr, yr, mr, j, acc, scale), out)
         _put_row(out, out_address, row, row_out, row_out_address, stream)
         b, n, s = b1, n1, s1
 
 
 @on_torch_threads
+@strided_layout
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
 def scaled_masked_softmax_backward(grad_output, y, mask, scale, stream, out):
     """out = where(mask, 0, (dy - sum(dy * y)) * y * scale); the row sum runs over ALL positions. ``stream``:
@@ -328,7 +389,9 @@ def scaled_masked_softmax_backward(grad_output, y, mask, scale, stream, out):
     for task in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
         prefer_512_bit_vectors()
         row_out = aligned_empty((out.shape[3],), out.dtype)
+        scratch = _scratch_rows(5, grad_output)
         first = task * _ROWS_PER_TASK
-        _backward_block(grad_output, y, mask, scale, out, first, min(rows, first + _ROWS_PER_TASK), row_out, stream)
+        _backward_block(grad_output, y, mask, scale, out, first, min(rows, first + _ROWS_PER_TASK), row_out, scratch,
+                        stream)
         if stream:
             stream_fence()
