@@ -61,9 +61,9 @@ def test_flash_attention_tasks_run_on_torch_threads(monkeypatch):
     seen = []
     dynamic = flash_attention._dynamic
 
-    def spy(kernel, *args):
+    def spy(kernel, *args, **kwargs):
         seen.append(numba.get_num_threads())
-        dynamic(kernel, *args)
+        dynamic(kernel, *args, **kwargs)
 
     monkeypatch.setattr(flash_attention, "_dynamic", spy)
     q, k, v = (torch.randn(1, 64, 2, 32, requires_grad=True) for _ in range(3))
