@@ -55,8 +55,8 @@ Kernel arguments come in typed bundles (namedtuples, so numba compiles them to p
 position (:class:`Tile`). The two tile kernels type their operand and output arrays with any strides
 (:func:`.layouts.launch_strided`: one compiled specialisation per dtype combination, where numba's own typing
 compiled one per mix of contiguous and strided arrays, up to a minute each) and read them row by row through
-C-contiguous views (:func:`_row`) or by address (the GEMMs), so contiguous, strided and varlen calls run the same
-code and give the same bits wherever their GEMMs do. The small kernels (packing, row dots, the dQ sum) keep
+C-contiguous views (:func:`.numeric.row_view`) or by address (the GEMMs), so contiguous, strided and varlen calls
+run the same code and give the same bits wherever their GEMMs do. The small kernels (packing, row dots, the dQ sum) keep
 numba's typing: they compile in seconds, and their loops give the same bits either way.
 
 Extra memory: per task a few [BQ, BK] tiles plus the fp32 dQ slices (``chunks * B*N1*Sq*D``), the packed
@@ -85,7 +85,7 @@ from .gemm_paths import CALIBRATED_DTYPES, WIDENED, gemm_path
 from .gemm import BRGEMM_DTYPES, NO_TRANS, TRANS, brgemm, brgemm_release, gemm
 from .layouts import launch_strided
 from .numeric import (FASTMATH, LOG2E, aligned_empty, array_at, exp2_32, exp32, fmaximum, narrow, narrow_ftz,
-                      prefer_512_bit_vectors, row_address, widen)
+                      prefer_512_bit_vectors, row_address, row_view, widen)
 from .tensor_view import kernel_view, new_output
 from .threads import on_torch_threads
 
@@ -357,13 +357,6 @@ def _row_keep_factors(plan, tile, r, f):
 
 
 @njit(inline="always")
-def _row(a, i0, i1, i2):
-    """a[i0, i1, i2, :] as a C-contiguous 1-D array (a's last dim is unit-stride, :func:`_view`): loops over it
-    vectorise, and compile the same (same bits), whatever a's other strides (numba's layout 'A' ones do not)."""
-    return array_at(row_address(a, i0, i1, i2), a.shape[3], a.dtype)
-
-
-@njit(inline="always")
 def _row_index(row, a):
     """(b, n, i) of the row-th ``a[b, n, i, :]`` counted in a's memory order: heads inner where they lie closer
     than the rows (a TND batch seen as BNSD), else rows inner (so a row loop streams through memory)."""
@@ -496,7 +489,7 @@ def _pack_rows(x, b, n, j0, cols, out):
     x[.., j0+2*j2+1, d])``, i.e. ``[cols/2, D]`` with row stride D."""
     D = x.shape[3]
     for j2 in range(cols // 2):
-        _interleave(_row(x, b, n, j0 + 2 * j2), _row(x, b, n, j0 + 2 * j2 + 1), out, j2 * D, D)
+        _interleave(row_view(x, b, n, j0 + 2 * j2), row_view(x, b, n, j0 + 2 * j2 + 1), out, j2 * D, D)
 
 
 @njit(inline="always")
@@ -640,7 +633,7 @@ def _forward_kernel(ops, plan, out, smax, ssum):
         if ops.packed:
             brgemm_release()
         for r in range(rows):
-            outr = _row(out, b, n, i0 + r)  # a C row: the loops vectorise for any strides of out
+            outr = row_view(out, b, n, i0 + r)  # a C row: the loops vectorise for any strides of out
             dead = not m[r] > _NEG
             if dead and plan.invalid_rows:
                 smax[b, n, i0 + r] = _NEG
@@ -657,12 +650,12 @@ def _forward_kernel(ops, plan, out, smax, ssum):
 
 @njit(**_KERNEL)
 def _row_dot_kernel(dy, out, dr):
-    """dr[b, n, i] = sum_d dy[b, n, i, d] * out[b, n, i, d] in fp32 (over :func:`_row` views: the same
+    """dr[b, n, i] = sum_d dy[b, n, i, d] * out[b, n, i, d] in fp32 (over :func:`.numeric.row_view` views: the same
     vectorised summation order for any strides of dy and out)."""
     B, N, S, Dv = dy.shape
     for row in prange(B * N * S):
         b, n, i = _row_index(row, dy)
-        dyr, outr = _row(dy, b, n, i), _row(out, b, n, i)
+        dyr, outr = row_view(dy, b, n, i), row_view(out, b, n, i)
         acc = np.float32(0.0)
         for d in range(Dv):
             acc += widen(dyr[d]) * widen(outr[d])
@@ -720,11 +713,11 @@ def _add_dpse_row(s, r, tile, plan, dpse):
     bp = b if dpse.shape[0] > 1 else 0
     if plan.pse_kind == _PSE_COMPRESSED:
         row, off = _compressed_source(i, plan.sq, dpse.shape[2], dpse.shape[3])
-        out = _row(dpse, bp, n, row)
+        out = row_view(dpse, bp, n, row)
         for c in range(max(min(cols, i - j0 + 1), 0)):
             out[j0 + c + off] += s[r, c] * factor
         return
-    out = _row(dpse, bp, n, i if dpse.shape[2] > 1 else 0)
+    out = row_view(dpse, bp, n, i if dpse.shape[2] > 1 else 0)
     for c in range(cols):  # widen/narrow: identity on an fp32 accumulator; rounding on a direct output
         out[j0 + c] = narrow(widen(out[j0 + c]) + s[r, c] * factor, dpse)
 
@@ -859,13 +852,13 @@ def _backward_kernel(ops, plan, grads, pack_like, batch_tasks):
             for b in range(bt, B, batch_tasks):
                 _backward_key_block(ops, plan, grads, work, b, n2, j0, chunk)
                 for r in range(min(_BK, Skv - j0)):
-                    dkr, dvr = _row(dk, b, n2, j0 + r), _row(dv, b, n2, j0 + r)
+                    dkr, dvr = row_view(dk, b, n2, j0 + r), row_view(dv, b, n2, j0 + r)
                     for d in range(D):
                         dkr[d] = narrow(dkt[d, r] * scale, dk)
                     for d in range(Dv):
                         dvr[d] = narrow(dvt[d, r], dv)
                     if ops.rope:
-                        dkrr = _row(dk_rope, b, n2, j0 + r)
+                        dkrr = row_view(dk_rope, b, n2, j0 + r)
                         for d in range(dkrt.shape[0]):
                             dkrr[d] = dkrt[d, r] * scale
         if ops.packed:
@@ -878,7 +871,7 @@ def _finish_dq_kernel(dq_acc, scale, dq):
     chunks, B, N, S, D = dq_acc.shape
     for row in prange(B * N * S):
         b, n, i = _row_index(row, dq)
-        dqr = _row(dq, b, n, i)
+        dqr = row_view(dq, b, n, i)
         for d in range(D):
             acc = dq_acc[0, b, n, i, d]
             for c in range(1, chunks):
@@ -909,7 +902,7 @@ def _view(t: torch.Tensor, in_place: bool = False) -> np.ndarray:
 
 def _unit_rows(t: torch.Tensor) -> torch.Tensor:
     """A preallocated output: any strides but a unit-stride last dim (the kernels write its rows as
-    :func:`_row`)."""
+    :func:`.numeric.row_view`)."""
     if t.stride(-1) != 1 and t.shape[-1] > 1:
         raise ValueError(f"an output's last dim must be unit-stride, got strides {t.stride()}")
     return t
@@ -1097,7 +1090,7 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     dqr_acc = np.zeros((chunks, B, N1, Sq, rope_dim) if has_rope else (1, 1, 1, 1, 1), np.float32)
     dkr = np.empty((B, N2, Skv, rope_dim) if has_rope else (1, 1, 1, 1), np.float32)
     grads = Gradients(dq_acc, kernel_view(dk), kernel_view(dv), dpse, dqr_acc, dkr)
-    _dynamic(_backward_kernel, operands, kplan, grads, _pack_like(q), batch_tasks, exact=(1, 3, 4))
+    _dynamic(_backward_kernel, operands, kplan, grads, _pack_like(q), batch_tasks, exact=(1, 3))
     _finish_dq_kernel(dq_acc, kplan.scale, kernel_view(dq))
     if want_dpse and dpse_out is None:
         dpse_out = torch.from_numpy(dpse).to(plan.pse.dtype)

@@ -138,6 +138,14 @@ def row_address(a, i0, i1, i2):
     return a.ctypes.data + i0 * a.strides[0] + i1 * a.strides[1] + i2 * a.strides[2]
 
 
+@njit(inline="always")
+def row_view(a, i0, i1, i2):
+    """``a[i0, i1, i2, :]`` of a 4-D array whose last dim is unit-stride, as a C-contiguous 1-D array
+    (:func:`array_at`): loops over it vectorise, and compile the same (so give the same bits), whatever a's other
+    strides and however numba types a (indexing a layout-'A' array vectorises differently)."""
+    return array_at(row_address(a, i0, i1, i2), a.shape[3], a.dtype)
+
+
 STREAM_MIN_BYTES = 16 << 20  # outputs from this size on are written by non-temporal stores (copy_row)
 _STREAM_BLOCK = 64  # bytes per non-temporal store: one cache line, one AVX-512 register
 

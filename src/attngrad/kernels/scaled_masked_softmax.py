@@ -40,7 +40,7 @@ from numba.extending import intrinsic, overload
 from .layouts import strided_layout
 from .numeric import (FASTMATH, LOG2E, NO_POSITIVE, aligned_empty, array_at, copy_row, exp2_nonpositive, fmax_any_nan,
                       narrow, narrow_ftz, narrow_ftz_exact, prefer_512_bit_vectors, prefetch_bytes, row_address,
-                      stream_fence, track_flushable, widen)
+                      row_view, stream_fence, track_flushable, widen)
 from .threads import on_torch_threads
 
 MASK_VALUE = np.float32(-10000.0)  # CANN fills masked logits with -10000, not -inf
@@ -130,17 +130,14 @@ def _slot(scratch, k):
 
 @njit(inline="always")
 def _row_view(a, b, n, s, slot):
-    """a[b, n, s, :] as a C-contiguous 1-D array (:func:`.numeric.array_at`: no reference counted): the row in
-    place where a's last dim is unit-stride, else its elements copied to the address ``slot`` (room for a row).
-    Loops over it vectorise and compile the same, so give the same bits, whatever a's strides (indexing numba's
-    layout 'A' arrays vectorises differently)."""
-    address = row_address(a, b, n, s)
-    if a.strides[3] != a.itemsize:
-        gathered = array_at(slot, a.shape[3], a.dtype)
-        for j in range(a.shape[3]):
-            gathered[j] = a[b, n, s, j]
-        address = slot
-    return array_at(address, a.shape[3], a.dtype)
+    """a[b, n, s, :] as a C-contiguous 1-D array: the row in place where a's last dim is unit-stride
+    (:func:`.numeric.row_view`), else its elements copied to the address ``slot`` (room for a row)."""
+    if a.strides[3] == a.itemsize:
+        return row_view(a, b, n, s)
+    gathered = array_at(slot, a.shape[3], a.dtype)
+    for j in range(a.shape[3]):
+        gathered[j] = a[b, n, s, j]
+    return gathered
 
 
 @njit(inline="always")
