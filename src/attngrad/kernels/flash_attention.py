@@ -20,10 +20,13 @@ float32. Query head n reads kv head ``n // G`` with ``G = N1 // N2``. The math (
   same tile loop, accumulated per tile into an fp32 array of pse's own shape (:func:`_add_dpse_row`; a dense
   [B, N1, Sq, Skv] pse is written straight into the output): the task split (:func:`_dpse_split`) gives every
   element one owning task, so one fixed summation order.
-* rope parts (MLA, optional): ``q_rope [B, N1, Sq, Dr]`` / ``k_rope [B, N2 or 1, Skv, Dr]`` add
-  ``q_rope k_rope^T`` to each fp32 score tile by a second GEMM (:func:`_add_rope_scores`); the backward adds
-  ``dq_rope = scale * dS k_rope`` and ``dk_rope = scale * dS^T q_rope`` from the rounded dS
-  (:func:`_rope_gradient_gemms`; a shared k_rope head gets the per-kv-head results summed afterwards);
+* rope parts (MLA, optional): ``q_rope [B, N1, Sq, Dr]`` / ``k_rope [B, N2 or 1, Skv, Dr]``: the scores are
+  ``[q, q_rope] [k, k_rope]^T``, so ``[dq, dq_rope] = scale * dS [k, k_rope]`` and ``[dk, dk_rope] = scale *
+  dS^T [q, q_rope]``. The forward adds ``q_rope k_rope^T`` to each fp32 score tile by a second GEMM
+  (:func:`_add_rope_scores`); the backward concatenates a tile's worth of rows (:func:`_key_rows`,
+  :func:`_query_rows`: never the whole sequence) and runs the plain path's five GEMMs on them, with dQ and dK
+  accumulators of width D + Dr split when written out (a shared k_rope head gets the per-kv-head dk_rope
+  summed afterwards);
 * sink (optional, ``plan.sink`` float32 [N1]): the forward's running max starts at ``sink[n]`` and its sum at 1
   (one more logit without a value); the backward needs nothing new (dsink is computed by the contract).
 
@@ -185,14 +188,13 @@ class BackwardOperands(NamedTuple):
 
 
 class Gradients(NamedTuple):
-    """The backward's outputs: fp32 dQ slices ``[chunks, B, N1, Sq, D]``, dk, dv and dpse (or a placeholder);
-    with rope the fp32 dQ_rope slices ``[chunks, B, N1, Sq, Dr]`` and dK_rope per kv head ``[B, N2, Skv, Dr]``."""
+    """The backward's outputs: fp32 dQ slices ``[chunks, B, N1, Sq, D + Dr]`` (Dr = 0 without rope: columns D.. are
+    dQ_rope), dk, dv and dpse (or a placeholder); with rope dK_rope per kv head ``[B, N2, Skv, Dr]`` fp32."""
 
     dq_acc: np.ndarray
     dk: np.ndarray
     dv: np.ndarray
     dpse: np.ndarray
-    dqr_acc: np.ndarray
     dkr: np.ndarray
 
 
@@ -203,14 +205,16 @@ class BackwardScratch(NamedTuple):
     dp: np.ndarray  # fp32 [_BQ, _BK]: dY V^T
     pt: np.ndarray  # input dtype [_BQ, _BK]: Pd
     dst: np.ndarray  # input dtype [_BQ, _BK]: dS
-    dkt: np.ndarray  # fp32 [D, _BK]: dK^T of the key block
+    dkt: np.ndarray  # fp32 [D + Dr, _BK]: dK^T (rows D..: dK_rope^T) of the key block
     dvt: np.ndarray  # fp32 [Dv, _BK]: dV^T of the key block
-    dkrt: np.ndarray  # fp32 [Dr, _BK]: dK_rope^T of the key block (rope)
     kt: np.ndarray  # the key block's K^T, V^T (:func:`_pack_transposed`) and bfloat16 K (:func:`_pack_rows`)
     vt: np.ndarray
     k_pairs: np.ndarray
     pt_pairs: np.ndarray  # bfloat16 Pd and dS as VNNI pairs (:func:`_pack_tile`)
     dst_pairs: np.ndarray
+    kk: np.ndarray  # rope: [1, 1, _BK, D + Dr] the key block's [K | K_rope] rows (:func:`_key_rows`)
+    qq: np.ndarray  # rope: [1, 1, _BQ, D + Dr] the tile's [Q | Q_rope] rows and (brgemm) their transpose
+    qqt: np.ndarray  # [1, 1, D + Dr, _BQ] (:func:`_query_rows`)
 
 
 def _operand(v, like, tile):  # pragma: no cover - compiled through the overload below
@@ -597,18 +601,6 @@ def _add_rope_scores(ops, tile, n2, s):
          True)
 
 
-@njit(inline="always")
-def _rope_gradient_gemms(ops, tile, n2, work, dqr_ptr):
-    """dK_rope^T += Q_rope^T dS (fp32 ``[Dr, BK]`` work.dkrt) and dQ_rope += dS K_rope (fp32 at dqr_ptr, row
-    stride Dr), from the tile's rounded dS."""
-    qr, kr = ops.qr, ops.kr
-    b, n, i0, rows, j0, cols = tile
-    dr = qr.shape[3]
-    nr = n2 if kr.shape[1] > 1 else 0
-    gemm(qr, TRANS, NO_TRANS, dr, cols, rows, _matrix(qr, b, n, i0), _scratch(work.dst), _scratch(work.dkrt), True)
-    gemm(qr, NO_TRANS, NO_TRANS, rows, dr, cols, _scratch(work.dst), _matrix(kr, b, nr, j0), (dqr_ptr, dr), True)
-
-
 @njit(**_KERNEL)
 def _forward_kernel(ops, plan, out, smax, ssum):
     """out ``[B, N1, Sq, Dv]``, smax / ssum ``[B, N1, Sq]`` fp32 (written in place); tasks (b, n1, query block)."""
@@ -723,53 +715,97 @@ def _add_dpse_row(s, r, tile, plan, dpse):
 
 
 @njit(inline="always")
-def _pack_key_block(k, v, b, n2, j0, cols, work):
-    """The key block's B operands of the backward's brgemm (:func:`_score_gemms`, :func:`_gradient_gemms`): K^T
-    for S, V^T for dP and (bfloat16) K for dQ."""
-    _pack_transposed(k, b, n2, j0, cols, work.kt)
-    _pack_transposed(v, b, n2, j0, cols, work.vt)
-    if _pairs(k):
-        _pack_rows(k, b, n2, j0, cols, work.k_pairs)
+def _concatenate_rows(x, xr, b, n, nr, r0, count, out):
+    """``out[0, 0, t] = [x[b, n, r0 + t], xr[b, nr, r0 + t]]`` for t < count: rows of ``[x | x_rope]``."""
+    D = x.shape[3]
+    for t in range(count):
+        xrow, rrow, orow = row_view(x, b, n, r0 + t), row_view(xr, b, nr, r0 + t), row_view(out, 0, 0, t)
+        for d in range(D):
+            orow[d] = xrow[d]
+        for d in range(xr.shape[3]):
+            orow[D + d] = rrow[d]
 
 
 @njit(inline="always")
-def _score_gemms(ops, tile, n2, on_brgemm, work):
-    """work.s = Q K^T and work.dp = dY V^T of the tile (fp32, row stride BK)."""
-    q, k, v, dy = ops.q, ops.k, ops.v, ops.dy
-    b, n, i0, rows, j0, cols = tile
-    qp, dyp = _matrix(q, b, n, i0), _matrix(dy, b, n, i0)
+def _key_rows(ops, work, b, n2, j0, cols):
+    """``(x, b, n, j)``: the key block's rows as the backward's GEMMs read them, ``x[b, n, j:j + cols]``: k itself, or
+    with rope the block's ``[K | K_rope]`` rows copied into work.kk (a single k_rope head serves every head)."""
+    if not ops.rope:
+        return ops.k, b, n2, j0
+    _concatenate_rows(ops.k, ops.kr, b, n2, n2 if ops.kr.shape[1] > 1 else 0, j0, cols, work.kk)
+    return work.kk, 0, 0, 0
+
+
+@njit(inline="always")
+def _query_rows(ops, work, tile, on_brgemm):
+    """``((x, b, n, i), qt)``: the tile's query rows as :func:`_key_rows` gives the keys, and the brgemm's A operand
+    Q^T of dK^T: columns of the transposed copy ``ops.qt``, or with rope of work.qqt, the transpose of the tile's
+    ``[Q | Q_rope]`` rows in work.qq."""
+    b, n, i0, rows, _, _ = tile
+    if not ops.rope:
+        return (ops.q, b, n, i0), _columns(ops.qt, b, n, i0)
+    qq, qqt = work.qq, work.qqt
+    _concatenate_rows(ops.q, ops.qr, b, n, n, i0, rows, qq)
     if on_brgemm:
-        brgemm(q, rows, cols, q.shape[3], qp, (work.kt.ctypes.data, cols), _scratch(work.s), False)
+        for t in range(rows):
+            for d in range(qq.shape[3]):
+                qqt[0, 0, d, t] = qq[0, 0, t, d]
+    return (qq, 0, 0, 0), _columns(qqt, 0, 0, 0)
+
+
+@njit(inline="always")
+def _pack_key_block(keys, v, b, n2, j0, cols, work):
+    """The key block's B operands of the backward's brgemm (:func:`_score_gemms`, :func:`_gradient_gemms`): K^T
+    for S, V^T for dP and (bfloat16) K for dQ; ``keys`` from :func:`_key_rows`."""
+    x, kb, kn, kj = keys
+    _pack_transposed(x, kb, kn, kj, cols, work.kt)
+    _pack_transposed(v, b, n2, j0, cols, work.vt)
+    if _pairs(x):
+        _pack_rows(x, kb, kn, kj, cols, work.k_pairs)
+
+
+@njit(inline="always")
+def _score_gemms(ops, tile, n2, queries, keys, on_brgemm, work):
+    """work.s = Q K^T and work.dp = dY V^T of the tile (fp32, row stride BK); Q and K as :func:`_query_rows` and
+    :func:`_key_rows` give them (with rope ``[Q | Q_rope] [K | K_rope]^T``)."""
+    q, v, dy = ops.q, ops.v, ops.dy
+    b, n, i0, rows, j0, cols = tile
+    x, qb, qn, qi = queries
+    y, kb, kn, kj = keys
+    dqk = x.shape[3]
+    qp, dyp = _matrix(x, qb, qn, qi), _matrix(dy, b, n, i0)
+    if on_brgemm:
+        brgemm(q, rows, cols, dqk, qp, (work.kt.ctypes.data, cols), _scratch(work.s), False)
         brgemm(q, rows, cols, v.shape[3], dyp, (work.vt.ctypes.data, cols), _scratch(work.dp), False)
     else:
-        gemm(q, NO_TRANS, TRANS, rows, cols, q.shape[3], qp, _matrix(k, b, n2, j0), _scratch(work.s), False)
+        gemm(q, NO_TRANS, TRANS, rows, cols, dqk, qp, _matrix(y, kb, kn, kj), _scratch(work.s), False)
         gemm(q, NO_TRANS, TRANS, rows, cols, v.shape[3], dyp, _matrix(v, b, n2, j0), _scratch(work.dp), False)
-    if ops.rope:
-        _add_rope_scores(ops, tile, n2, work.s)
 
 
 @njit(inline="always")
-def _gradient_gemms(ops, tile, n2, on_brgemm, work, dq_ptr):
+def _gradient_gemms(ops, tile, queries, keys, qt, on_brgemm, work, dq_ptr):
     """dV^T += dY^T Pd, dK^T += Q^T dS (fp32 ``[D, BK]`` accumulators work.dvt / work.dkt) and dQ += dS K (fp32 at
-    dq_ptr, row stride D).
+    dq_ptr, row stride D), Q and K as in :func:`_score_gemms` (with rope D stands for D + Dr).
 
-    On the brgemm the A operands dY^T and Q^T come from the transposed copies ``ops.dyt`` / ``ops.qt``; bfloat16 Pd,
+    On the brgemm the A operands dY^T and Q^T come from the transposed copy ``ops.dyt`` and ``qt``; bfloat16 Pd,
     dS are packed (:func:`_tile_operand`) and K comes packed by :func:`_pack_key_block`."""
-    q, k, dy = ops.q, ops.k, ops.dy
-    b, n, i0, rows, j0, cols = tile
+    q, dy = ops.q, ops.dy
+    b, n, i0, rows, _, cols = tile
     pt, dst, dkt, dvt = work.pt, work.dst, work.dkt, work.dvt
-    D, Dv = q.shape[3], dy.shape[3]
+    x, qb, qn, qi = queries
+    y, kb, kn, kj = keys
+    D, Dv = x.shape[3], dy.shape[3]
     dq = (dq_ptr, D)
     if on_brgemm:
         pd_operand = _tile_operand(pt, rows, cols, work.pt_pairs)
         ds_operand = _tile_operand(dst, rows, cols, work.dst_pairs)
         brgemm(q, Dv, cols, rows, _columns(ops.dyt, b, n, i0), pd_operand, _scratch(dvt), True)
-        brgemm(q, D, cols, rows, _columns(ops.qt, b, n, i0), ds_operand, _scratch(dkt), True)
-        brgemm(q, rows, D, cols, _scratch(dst), _rows_operand(k, b, n2, j0, work.k_pairs.ctypes.data), dq, True)
+        brgemm(q, D, cols, rows, qt, ds_operand, _scratch(dkt), True)
+        brgemm(q, rows, D, cols, _scratch(dst), _rows_operand(y, kb, kn, kj, work.k_pairs.ctypes.data), dq, True)
     else:
         gemm(q, TRANS, NO_TRANS, Dv, cols, rows, _matrix(dy, b, n, i0), _scratch(pt), _scratch(dvt), True)
-        gemm(q, TRANS, NO_TRANS, D, cols, rows, _matrix(q, b, n, i0), _scratch(dst), _scratch(dkt), True)
-        gemm(q, NO_TRANS, NO_TRANS, rows, D, cols, _scratch(dst), _matrix(k, b, n2, j0), dq, True)
+        gemm(q, TRANS, NO_TRANS, D, cols, rows, _matrix(x, qb, qn, qi), _scratch(dst), _scratch(dkt), True)
+        gemm(q, NO_TRANS, NO_TRANS, rows, D, cols, _scratch(dst), _matrix(y, kb, kn, kj), dq, True)
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
@@ -780,7 +816,7 @@ def _backward_key_block(ops, plan, grads, work, b, n2, j0, chunk):
     ``ops.packed``: on torch's brgemm (:func:`_use_brgemm`; bfloat16: tiles with even rows and columns, VNNI
     pairs), MKL for the others."""
     q, k = ops.q, ops.k
-    N1, Sq, D = q.shape[1], q.shape[2], q.shape[3]
+    N1, Sq = q.shape[1], q.shape[2]
     G = N1 // k.shape[1]
     Skv = k.shape[2]
     BQ, BK = work.s.shape
@@ -788,10 +824,10 @@ def _backward_key_block(ops, plan, grads, work, b, n2, j0, chunk):
     cols = min(BK, Skv - j0)
     work.dkt[:] = 0.0
     work.dvt[:] = 0.0
-    work.dkrt[:] = 0.0
     packed = ops.packed and (cols % 2 == 0 or not _pairs(q))
+    keys = _key_rows(ops, work, b, n2, j0, cols)
     if packed:
-        _pack_key_block(k, ops.v, b, n2, j0, cols, work)
+        _pack_key_block(keys, ops.v, b, n2, j0, cols, work)
     for n in range(n2 * G, n2 * G + G):
         for i0 in range(0, Sq, BQ):
             rows = min(BQ, Sq - i0)
@@ -800,33 +836,33 @@ def _backward_key_block(ops, plan, grads, work, b, n2, j0, chunk):
                 continue  # P = exp(-FLT_MAX - max) = 0 on the whole tile
             on_brgemm = packed and (rows % 2 == 0 or not _pairs(q))
             tile = Tile(b, n, i0, rows, j0, cols)
-            _score_gemms(ops, tile, n2, on_brgemm, work)
+            queries, qt = _query_rows(ops, work, tile, on_brgemm)
+            _score_gemms(ops, tile, n2, queries, keys, on_brgemm, work)
             general = plan.has_mask or kind != _INSIDE
             _backward_tile(work, tile, general, plan, ops, grads.dpse)
-            dq_ptr = dq_acc.ctypes.data + (((chunk * dq_acc.shape[1] + b) * N1 + n) * Sq + i0) * D * 4
-            _gradient_gemms(ops, tile, n2, on_brgemm, work, dq_ptr)
-            if ops.rope:
-                dr = ops.qr.shape[3]
-                dqr_ptr = grads.dqr_acc.ctypes.data + (((chunk * dq_acc.shape[1] + b) * N1 + n) * Sq + i0) * dr * 4
-                _rope_gradient_gemms(ops, tile, n2, work, dqr_ptr)
+            dq_ptr = dq_acc.ctypes.data + (((chunk * dq_acc.shape[1] + b) * N1 + n) * Sq + i0) * dq_acc.shape[4] * 4
+            _gradient_gemms(ops, tile, queries, keys, qt, on_brgemm, work, dq_ptr)
 
 
 @njit(inline="always")
 def _backward_scratch(q, d, dv, dr, packed, pack_like):
     """A backward task's :class:`BackwardScratch` (``dr``: the rope dim, 0 without rope); the packed operands have
-    ``pack_like``'s element type (uint32 VNNI pairs for bfloat16, else float32) and are 1-element placeholders where
-    unused."""
+    ``pack_like``'s element type (uint32 VNNI pairs for bfloat16, else float32); unused buffers are 1-element
+    placeholders."""
+    dqk = d + dr
     per = pack_like.itemsize // q.itemsize  # input elements per packed element (2: VNNI pairs)
-    block = max(d, dv) * _BK // per if packed else 1
+    block = max(dqk, dv) * _BK // per if packed else 1
     pairs = block if per == 2 else 1  # K rows and the Pd / dS tiles are packed for VNNI pairs only
     tile = _BQ * _BK // per if packed and per == 2 else 1
     like = pack_like.dtype
+    rows = (_BK, _BQ, _BQ if packed else 1) if dr else (1, 1, 1)  # the rope copies kk, qq, qqt
     return BackwardScratch(aligned_empty((_BQ, _BK), np.float32), aligned_empty((_BQ, _BK), np.float32),
                            aligned_empty((_BQ, _BK), q.dtype), aligned_empty((_BQ, _BK), q.dtype),
-                           aligned_empty((d, _BK), np.float32), aligned_empty((dv, _BK), np.float32),
-                           aligned_empty((max(dr, 1), _BK), np.float32), aligned_empty((block,), like),
-                           aligned_empty((block,), like),
-                           aligned_empty((pairs,), like), aligned_empty((tile,), like), aligned_empty((tile,), like))
+                           aligned_empty((dqk, _BK), np.float32), aligned_empty((dv, _BK), np.float32),
+                           aligned_empty((block,), like), aligned_empty((block,), like),
+                           aligned_empty((pairs,), like), aligned_empty((tile,), like), aligned_empty((tile,), like),
+                           aligned_empty((1, 1, rows[0], dqk), q.dtype), aligned_empty((1, 1, rows[1], dqk), q.dtype),
+                           aligned_empty((1, 1, dqk, rows[2]), q.dtype))
 
 
 @njit(**_KERNEL)
@@ -846,7 +882,7 @@ def _backward_kernel(ops, plan, grads, pack_like, batch_tasks):
         n2 = (task // chunks) % N2
         chunk = task % chunks
         work = _backward_scratch(ops.q, D, Dv, ops.qr.shape[3] if ops.rope else 0, ops.packed, pack_like)
-        dkt, dvt, dkrt = work.dkt, work.dvt, work.dkrt
+        dkt, dvt = work.dkt, work.dvt
         for kb in range(chunk * nkb // chunks, (chunk + 1) * nkb // chunks):
             j0 = kb * _BK
             for b in range(bt, B, batch_tasks):
@@ -859,23 +895,24 @@ def _backward_kernel(ops, plan, grads, pack_like, batch_tasks):
                         dvr[d] = narrow(dvt[d, r], dv)
                     if ops.rope:
                         dkrr = row_view(dk_rope, b, n2, j0 + r)
-                        for d in range(dkrt.shape[0]):
-                            dkrr[d] = dkrt[d, r] * scale
+                        for d in range(dk_rope.shape[3]):
+                            dkrr[d] = dkt[D + d, r] * scale
         if ops.packed:
             brgemm_release()
 
 
 @njit(**_KERNEL)
-def _finish_dq_kernel(dq_acc, scale, dq):
-    """dq = scale * sum over chunks (in chunk order) of dq_acc, rounded once to dq's dtype."""
-    chunks, B, N, S, D = dq_acc.shape
+def _finish_dq_kernel(dq_acc, d0, scale, dq):
+    """dq = scale * sum over chunks (in chunk order) of columns ``d0 .. d0 + D`` of dq_acc, rounded once to dq's
+    dtype ``[B, N, S, D]``."""
+    chunks, B, N, S, _ = dq_acc.shape
     for row in prange(B * N * S):
         b, n, i = _row_index(row, dq)
         dqr = row_view(dq, b, n, i)
-        for d in range(D):
-            acc = dq_acc[0, b, n, i, d]
+        for d in range(dq.shape[3]):
+            acc = dq_acc[0, b, n, i, d0 + d]
             for c in range(1, chunks):
-                acc += dq_acc[c, b, n, i, d]
+                acc += dq_acc[c, b, n, i, d0 + d]
             dqr[d] = narrow(acc * scale, dq)
 
 
@@ -1015,13 +1052,12 @@ def _widened(plan: AttentionPlan, *tensors: torch.Tensor) -> tuple[torch.Tensor,
     return tuple(t.float() for t in tensors) if widen else tensors
 
 
-def _transposed_operands(q: torch.Tensor, dy: torch.Tensor, packed: bool) -> tuple[np.ndarray, np.ndarray]:
+def _transposed_operands(q: torch.Tensor, dy: torch.Tensor, packed: bool, rope: bool) -> tuple[np.ndarray, ...]:
     """Q^T and dY^T ``[B, N1, D, Sq]`` (contiguous copies): the A operands of the backward's dK and dV brgemm
-    (``packed``, :func:`_use_brgemm`), else placeholders."""
-    if not packed:
-        placeholder = kernel_view(q.new_zeros(1, 1, 1, 1))
-        return placeholder, placeholder
-    return tuple(kernel_view(t.transpose(-1, -2).contiguous()) for t in (q, dy))
+    (``packed``, :func:`_use_brgemm`; with rope Q^T comes per tile, :func:`_query_rows`), else placeholders."""
+    placeholder = kernel_view(q.new_zeros(1, 1, 1, 1))
+    return tuple(kernel_view(t.transpose(-1, -2).contiguous()) if packed and not (rope and t is q) else placeholder
+                 for t in (q, dy))
 
 
 def backward_chunks(batch_kv_heads: int, skv: int) -> int:
@@ -1077,24 +1113,23 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     dr = np.empty((B, N1, Sq), np.float32)
     _row_dot_kernel(dyv, _view(out, in_place), dr)
     chunks = 1 if single_chunk else backward_chunks(batch_tasks * N2, Skv)
-    dq_acc = np.zeros((chunks, B, N1, Sq, D), np.float32)
     dq, dk, dv = (torch.empty(like.shape, dtype=dtype) if t is None else _unit_rows(t)
                   for t, like in ((dq, q), (dk, k), (dv, v)))
     dpse_out, dpse = _dpse_target(plan, B, Sq) if want_dpse else (None, np.zeros((1, 1, 1, 1), np.float32))
     smax, ssum = (_view(t.detach().float(), in_place) for t in (softmax_max, softmax_sum))
     packed = _use_brgemm(q, D, v.shape[3])
     qr, kr, has_rope = _rope_views(q, rope_operands, in_place)
-    operands = BackwardOperands(qv, kv, vv, dyv, *_transposed_operands(q, dy, packed), smax, ssum, dr, packed,
-                                qr, kr, has_rope)
-    rope_dim = qr.shape[3] if has_rope else 1
-    dqr_acc = np.zeros((chunks, B, N1, Sq, rope_dim) if has_rope else (1, 1, 1, 1, 1), np.float32)
+    operands = BackwardOperands(qv, kv, vv, dyv, *_transposed_operands(q, dy, packed, has_rope), smax, ssum, dr,
+                                packed, qr, kr, has_rope)
+    rope_dim = qr.shape[3] if has_rope else 0
+    dq_acc = np.zeros((chunks, B, N1, Sq, D + rope_dim), np.float32)
     dkr = np.empty((B, N2, Skv, rope_dim) if has_rope else (1, 1, 1, 1), np.float32)
-    grads = Gradients(dq_acc, kernel_view(dk), kernel_view(dv), dpse, dqr_acc, dkr)
+    grads = Gradients(dq_acc, kernel_view(dk), kernel_view(dv), dpse, dkr)
     _dynamic(_backward_kernel, operands, kplan, grads, _pack_like(q), batch_tasks, exact=(1, 3))
-    _finish_dq_kernel(dq_acc, kplan.scale, kernel_view(dq))
+    _finish_dq_kernel(dq_acc, 0, kplan.scale, kernel_view(dq))
     if want_dpse and dpse_out is None:
         dpse_out = torch.from_numpy(dpse).to(plan.pse.dtype)
-    rope_grads = _rope_gradients(rope, rope_into, dqr_acc, dkr, kplan.scale) if has_rope else (None, None)
+    rope_grads = _rope_gradients(rope, rope_into, dq_acc, dkr, kplan.scale) if has_rope else (None, None)
     dsink = None if plan.sink is None else _sink_gradient(plan.sink, dr, smax, ssum)
     return dq, dk, dv, dpse_out, *rope_grads, dsink
 
@@ -1108,13 +1143,14 @@ def _sink_gradient(sink: torch.Tensor, dr: np.ndarray, smax: np.ndarray, ssum: n
     return -(p_sink * d).sum((0, 2))
 
 
-def _rope_gradients(rope: tuple, into: tuple | None, dqr_acc: np.ndarray, dkr: np.ndarray, scale) -> tuple:
-    """(dq_rope, dk_rope) from the kernel's fp32 dQ_rope slices and per-kv-head dK_rope (summed over the heads for a
-    single shared k_rope head), rounded once to the input dtype (into ``into`` when given)."""
+def _rope_gradients(rope: tuple, into: tuple | None, dq_acc: np.ndarray, dkr: np.ndarray, scale) -> tuple:
+    """(dq_rope, dk_rope) from the trailing Dr columns of the kernel's fp32 dQ slices and the per-kv-head dK_rope
+    (summed over the heads for a single shared k_rope head), rounded once to the input dtype (into ``into`` when
+    given)."""
     q_rope, k_rope = rope
     dqr, dkr_out = into or (torch.empty(q_rope.shape, dtype=q_rope.dtype), torch.empty(k_rope.shape,
                                                                                       dtype=k_rope.dtype))
-    _finish_dq_kernel(dqr_acc, scale, kernel_view(_unit_rows(dqr)))
+    _finish_dq_kernel(dq_acc, dq_acc.shape[4] - q_rope.shape[3], scale, kernel_view(_unit_rows(dqr)))
     dkr_t = torch.from_numpy(dkr)
     dkr_out.copy_(dkr_t.sum(1, keepdim=True) if k_rope.shape[1] == 1 and dkr_t.shape[1] > 1 else dkr_t)
     return dqr, dkr_out
