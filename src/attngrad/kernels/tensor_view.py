@@ -8,7 +8,12 @@ broadcast inputs in place.
 from __future__ import annotations
 
 import ctypes
+import math
+import os
 import sys
+import threading
+import weakref
+from collections import OrderedDict
 
 import numpy as np
 import torch
@@ -36,6 +41,7 @@ def unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
+_POOLED_BYTES = 4 * _HUGE_PAGE  # outputs from this size up come from the pool (and are advised huge pages)
 
 
 def _load_madvise():
@@ -52,18 +58,94 @@ def _load_madvise():
 _madvise = _load_madvise() if sys.platform.startswith("linux") else None
 
 
-def new_output(shape, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised output tensor for a memory-bound kernel.
+def _pool_limit() -> int:
+    """Bytes of freed output buffers the pool keeps: ``ATTNGRAD_OUTPUT_POOL_MB`` (default 1024; 0 turns it off)."""
+    text = os.environ.get("ATTNGRAD_OUTPUT_POOL_MB", "1024")
+    try:
+        megabytes = float(text)
+    except ValueError:
+        raise ValueError(f"ATTNGRAD_OUTPUT_POOL_MB must be a number of MiB (0: no pool), got {text!r}") from None
+    return max(0, int(megabytes * 2**20))
 
-    A large fresh tensor is new ``mmap`` memory whose first write page-faults every 4 KiB page, which costs
-    more than the kernel that fills it. Where the kernel allows transparent huge pages on request
-    (``madvise`` mode, the default of many distributions), the 2 MiB-aligned body of the buffer is advised
-    ``MADV_HUGEPAGE``, so it faults in 2 MiB at a time. The advice only changes how pages are backed.
-    """
-    t = torch.empty(shape, dtype=dtype)
-    nbytes = t.numel() * t.element_size()
-    if _madvise is not None and nbytes >= 4 * _HUGE_PAGE:
-        start = -(-t.data_ptr() // _HUGE_PAGE) * _HUGE_PAGE
-        end = (t.data_ptr() + nbytes) // _HUGE_PAGE * _HUGE_PAGE
-        _madvise(start, end - start, _MADV_HUGEPAGE)
-    return t
+
+class OutputPool:
+    """Reuses the memory of large outputs once their tensors are freed.
+
+    A fresh buffer of many MiB is new ``mmap`` memory: its first write faults in and zeroes every page, which
+    costs about as much as a memory-bound kernel that fills it. The pool hands out blocks of whole 2 MiB pages
+    (advised ``MADV_HUGEPAGE`` where the kernel offers transparent huge pages on request) as tensors that own
+    them; when such a tensor and all its views are gone, its block goes back to the pool, up to ``limit`` bytes
+    of free blocks (the oldest are released first), so a loop that frees last step's output before the next
+    call reuses memory that is already mapped. As with torch's CUDA caching allocator, memory freed by the user
+    stays with the process (at most ``limit`` bytes of it)."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._free: dict[int, OrderedDict[int, np.ndarray]] = {}  # block size -> {id: free block}, oldest first
+        self._order: OrderedDict[int, np.ndarray] = OrderedDict()  # every free block, oldest first
+        self._free_bytes = 0
+        self._lock = threading.RLock()  # a release can run inside a take (the garbage collector)
+
+    @property
+    def free_bytes(self) -> int:
+        return self._free_bytes
+
+    def tensor(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised C-contiguous tensor on a pooled block."""
+        numel = math.prod(shape)
+        size = -(-numel * dtype.itemsize // _HUGE_PAGE) * _HUGE_PAGE
+        block = self._take(size)
+        handed = block[:]  # the tensor's own reference: when it dies the block is released
+        weakref.finalize(handed, self._release, block)
+        return torch.empty(0, dtype=dtype).set_(torch.from_numpy(handed).untyped_storage(), 0, shape)
+
+    def clear(self) -> None:
+        """Release every free block to the system."""
+        with self._lock:
+            self._free.clear()
+            self._order.clear()
+            self._free_bytes = 0
+
+    def _take(self, size: int) -> np.ndarray:
+        with self._lock:
+            blocks = self._free.get(size)
+            if blocks:
+                key, block = blocks.popitem()  # the most recently freed: its pages may still be cached
+                del self._order[key]
+                self._free_bytes -= size
+                return block
+        return _huge_page_block(size)
+
+    def _release(self, block: np.ndarray) -> None:
+        size = block.nbytes
+        with self._lock:
+            if size > self.limit:
+                return
+            self._free.setdefault(size, OrderedDict())[id(block)] = block
+            self._order[id(block)] = block
+            self._free_bytes += size
+            while self._free_bytes > self.limit:
+                key, oldest = self._order.popitem(last=False)
+                del self._free[oldest.nbytes][key]
+                self._free_bytes -= oldest.nbytes
+
+
+def _huge_page_block(size: int) -> np.ndarray:
+    """``size`` bytes (a multiple of 2 MiB) starting on a 2 MiB boundary, advised ``MADV_HUGEPAGE``."""
+    raw = np.empty(size + _HUGE_PAGE, np.uint8)
+    start = -raw.ctypes.data % _HUGE_PAGE
+    block = raw[start:start + size]
+    if _madvise is not None:
+        _madvise(block.ctypes.data, size, _MADV_HUGEPAGE)
+    return block
+
+
+output_pool = OutputPool(_pool_limit())
+
+
+def new_output(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised C-contiguous output tensor for a memory-bound kernel: from :data:`output_pool` when it
+    is large (8 MiB or more, while the pool is on), else from torch."""
+    if output_pool.limit and math.prod(shape) * dtype.itemsize >= _POOLED_BYTES:
+        return output_pool.tensor(shape, dtype)
+    return torch.empty(shape, dtype=dtype)

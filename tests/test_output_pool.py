@@ -1,0 +1,80 @@
+"""The output pool behind large kernel outputs: blocks come back when their tensors die, live views keep them,
+the pool keeps at most its limit, and a pooled output through the public functions equals an unpooled one."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import attngrad
+from attngrad.kernels import tensor_view
+from attngrad.kernels.tensor_view import OutputPool, new_output, output_pool
+
+BIG = (8, 512, 1024)  # 8 MiB in bfloat16: the smallest pooled size
+
+
+def test_freed_block_is_reused():
+    a = new_output(BIG, torch.bfloat16)
+    assert (a.shape, a.dtype, a._base, a.is_contiguous()) == (BIG, torch.bfloat16, None, True)
+    assert a.data_ptr() % (2 << 20) == 0
+    address = a.data_ptr()
+    del a
+    b = new_output(BIG, torch.bfloat16)
+    assert b.data_ptr() == address
+    c = new_output((4, 1024, 1024), torch.float32)  # same block size, other shape and dtype: a block of its own
+    assert c.data_ptr() != address
+
+
+def test_live_view_keeps_the_block():
+    a = new_output(BIG, torch.float32)
+    address = a.data_ptr()
+    view = a[1:]
+    del a
+    gc.collect()
+    assert new_output(BIG, torch.float32).data_ptr() != address
+    del view
+    assert new_output(BIG, torch.float32).data_ptr() == address
+
+
+def test_limit_releases_the_oldest_block():
+    pool = OutputPool(limit=16 << 20)
+    first, second = pool.tensor((8 << 20,), torch.uint8), pool.tensor((16 << 20,), torch.uint8)
+    first_address = first.data_ptr()
+    del first
+    assert pool.free_bytes == 8 << 20
+    del second  # 24 MiB free: over the limit, so the oldest (first) is released
+    assert pool.free_bytes == 16 << 20
+    assert pool.tensor((8 << 20,), torch.uint8).data_ptr() != first_address
+    pool.clear()
+    assert pool.free_bytes == 0
+
+
+def test_pool_size_from_environment(monkeypatch):
+    monkeypatch.setenv("ATTNGRAD_OUTPUT_POOL_MB", "0")
+    assert tensor_view._pool_limit() == 0
+    monkeypatch.setenv("ATTNGRAD_OUTPUT_POOL_MB", "lots")
+    with pytest.raises(ValueError, match="ATTNGRAD_OUTPUT_POOL_MB"):
+        tensor_view._pool_limit()
+
+
+def test_pooled_softmax_equals_unpooled(monkeypatch):
+    x = torch.randn(2, 4, 512, 1024, generator=torch.Generator().manual_seed(0)).requires_grad_()
+    mask = torch.rand(2, 1, 512, 1024, generator=torch.Generator().manual_seed(1)) < 0.2
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(2))
+
+    def run():
+        y = attngrad.scaled_masked_softmax(x, mask, 0.5)
+        (dx,) = torch.autograd.grad(y, x, dy)
+        return y.detach(), dx
+
+    y, dx = run()
+    pooled = y.data_ptr()
+    del y
+    y_again, dx_again = run()
+    assert y_again.data_ptr() == pooled  # the freed output's block served the next call
+    monkeypatch.setattr(output_pool, "limit", 0)
+    y_plain, dx_plain = run()
+    assert torch.equal(y_again, y_plain) and torch.equal(dx_again, dx_plain)
+    assert torch.equal(dx, dx_plain)
