@@ -901,19 +901,34 @@ def _backward_kernel(ops, plan, grads, pack_like, batch_tasks):
             brgemm_release()
 
 
+@njit(inline="always")
+def _accumulator_row(dq_acc, c, b, n, i):
+    """``dq_acc[c, b, n, i, :]`` of the C-contiguous dQ slices as a C row."""
+    _, B, N, S, W = dq_acc.shape
+    return array_at(dq_acc.ctypes.data + (((c * B + b) * N + n) * S + i) * W * dq_acc.itemsize, W, dq_acc.dtype)
+
+
 @njit(**_KERNEL)
-def _finish_dq_kernel(dq_acc, d0, scale, dq):
-    """dq = scale * sum over chunks (in chunk order) of columns ``d0 .. d0 + D`` of dq_acc, rounded once to dq's
-    dtype ``[B, N, S, D]``."""
-    chunks, B, N, S, _ = dq_acc.shape
+def _finish_dq_kernel(dq_acc, scale, dq, dq_rope):
+    """dq = scale * sum over chunks (in chunk order) of dq_acc's first D columns, dq_rope (with rope: its trailing
+    columns; else a placeholder) from the others, each rounded once to its dtype. The sums are taken in place in
+    slice 0, vectorised along the row."""
+    chunks, B, N, S, W = dq_acc.shape
+    D = dq.shape[3]
     for row in prange(B * N * S):
         b, n, i = _row_index(row, dq)
+        total = _accumulator_row(dq_acc, 0, b, n, i)
+        for c in range(1, chunks):
+            part = _accumulator_row(dq_acc, c, b, n, i)
+            for d in range(W):
+                total[d] += part[d]
         dqr = row_view(dq, b, n, i)
-        for d in range(dq.shape[3]):
-            acc = dq_acc[0, b, n, i, d0 + d]
-            for c in range(1, chunks):
-                acc += dq_acc[c, b, n, i, d0 + d]
-            dqr[d] = narrow(acc * scale, dq)
+        for d in range(D):
+            dqr[d] = narrow(total[d] * scale, dq)
+        if W > D:
+            ropes = row_view(dq_rope, b, n, i)
+            for d in range(W - D):
+                ropes[d] = narrow(total[D + d] * scale, dq_rope)
 
 
 def _dynamic(kernel, *args, exact: tuple[int, ...]) -> None:
@@ -1126,12 +1141,14 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     dkr = np.empty((B, N2, Skv, rope_dim) if has_rope else (1, 1, 1, 1), np.float32)
     grads = Gradients(dq_acc, kernel_view(dk), kernel_view(dv), dpse, dkr)
     _dynamic(_backward_kernel, operands, kplan, grads, _pack_like(q), batch_tasks, exact=(1, 3))
-    _finish_dq_kernel(dq_acc, 0, kplan.scale, kernel_view(dq))
+    dq_rope, dk_rope = _rope_outputs(rope, rope_into) if has_rope else (None, None)
+    _finish_dq_kernel(dq_acc, kplan.scale, kernel_view(dq), kernel_view(dq_rope if has_rope else dq[:1, :1, :1]))
+    if has_rope:
+        dk_rope.copy_(_kv_head_sum(torch.from_numpy(dkr), dk_rope.shape[1]))
     if want_dpse and dpse_out is None:
         dpse_out = torch.from_numpy(dpse).to(plan.pse.dtype)
-    rope_grads = _rope_gradients(rope, rope_into, dq_acc, dkr, kplan.scale) if has_rope else (None, None)
     dsink = None if plan.sink is None else _sink_gradient(plan.sink, dr, smax, ssum)
-    return dq, dk, dv, dpse_out, *rope_grads, dsink
+    return dq, dk, dv, dpse_out, dq_rope, dk_rope, dsink
 
 
 def _sink_gradient(sink: torch.Tensor, dr: np.ndarray, smax: np.ndarray, ssum: np.ndarray) -> torch.Tensor:
@@ -1143,14 +1160,13 @@ def _sink_gradient(sink: torch.Tensor, dr: np.ndarray, smax: np.ndarray, ssum: n
     return -(p_sink * d).sum((0, 2))
 
 
-def _rope_gradients(rope: tuple, into: tuple | None, dq_acc: np.ndarray, dkr: np.ndarray, scale) -> tuple:
-    """(dq_rope, dk_rope) from the trailing Dr columns of the kernel's fp32 dQ slices and the per-kv-head dK_rope
-    (summed over the heads for a single shared k_rope head), rounded once to the input dtype (into ``into`` when
-    given)."""
-    q_rope, k_rope = rope
-    dqr, dkr_out = into or (torch.empty(q_rope.shape, dtype=q_rope.dtype), torch.empty(k_rope.shape,
-                                                                                      dtype=k_rope.dtype))
-    _finish_dq_kernel(dq_acc, dq_acc.shape[4] - q_rope.shape[3], scale, kernel_view(_unit_rows(dqr)))
-    dkr_t = torch.from_numpy(dkr)
-    dkr_out.copy_(dkr_t.sum(1, keepdim=True) if k_rope.shape[1] == 1 and dkr_t.shape[1] > 1 else dkr_t)
-    return dqr, dkr_out
+def _rope_outputs(rope: tuple, into: tuple | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dq_rope, dk_rope): ``into`` (unit-stride rows) or new tensors shaped and typed like (q_rope, k_rope)."""
+    if into:
+        return _unit_rows(into[0]), into[1]
+    return tuple(torch.empty(t.shape, dtype=t.dtype) for t in rope)
+
+
+def _kv_head_sum(dkr: torch.Tensor, heads: int) -> torch.Tensor:
+    """The per-kv-head fp32 dK_rope ``[B, N2, Skv, Dr]``, summed over the heads for a single shared k_rope head."""
+    return dkr.sum(1, keepdim=True) if heads == 1 and dkr.shape[1] > 1 else dkr
