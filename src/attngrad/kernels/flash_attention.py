@@ -747,9 +747,10 @@ def _query_rows(ops, work, tile, on_brgemm):
     qq, qqt = work.qq, work.qqt
     _concatenate_rows(ops.q, ops.qr, b, n, n, i0, rows, qq)
     if on_brgemm:
-        for t in range(rows):
+        for t0 in range(0, rows, 16):  # 16 rows at a time: they stay in L1 while their columns are written out
             for d in range(qq.shape[3]):
-                qqt[0, 0, d, t] = qq[0, 0, t, d]
+                for t in range(t0, min(t0 + 16, rows)):
+                    qqt[0, 0, d, t] = qq[0, 0, t, d]
     return (qq, 0, 0, 0), _columns(qqt, 0, 0, 0)
 
 
