@@ -97,6 +97,7 @@ _FLT_MAX = np.float32(-MASKED_LOGIT)
 _BQ = 256  # query rows of a tile
 _BK = 256  # key columns of a tile
 _FWD_BK = 512  # key columns of a forward tile (fewer online-softmax rescales of the accumulator)
+_EDGE_ROWS = 64  # query rows of the backward's tiles across the visible region's edge
 _TARGET_TASKS = 8  # the backward splits keys into chunks until B*N2*chunks reaches this (when it can)
 _OUTSIDE, _INSIDE, _PARTIAL = 0, 1, 2
 
@@ -776,8 +777,9 @@ def _score_gemms(ops, tile, n2, queries, keys, on_brgemm, work):
     dqk = x.shape[3]
     qp, dyp = _matrix(x, qb, qn, qi), _matrix(dy, b, n, i0)
     if on_brgemm:
-        brgemm(q, rows, cols, dqk, qp, (work.kt.ctypes.data, cols), _scratch(work.s), False)
-        brgemm(q, rows, cols, v.shape[3], dyp, (work.vt.ctypes.data, cols), _scratch(work.dp), False)
+        block = min(work.s.shape[1], v.shape[2] - j0)  # the packed K^T / V^T row stride: the key block's width
+        brgemm(q, rows, cols, dqk, qp, (work.kt.ctypes.data, block), _scratch(work.s), False)
+        brgemm(q, rows, cols, v.shape[3], dyp, (work.vt.ctypes.data, block), _scratch(work.dp), False)
     else:
         gemm(q, NO_TRANS, TRANS, rows, cols, dqk, qp, _matrix(y, kb, kn, kj), _scratch(work.s), False)
         gemm(q, NO_TRANS, TRANS, rows, cols, v.shape[3], dyp, _matrix(v, b, n2, j0), _scratch(work.dp), False)
@@ -821,7 +823,6 @@ def _backward_key_block(ops, plan, grads, work, b, n2, j0, chunk):
     G = N1 // k.shape[1]
     Skv = k.shape[2]
     BQ, BK = work.s.shape
-    dq_acc = grads.dq_acc
     cols = min(BK, Skv - j0)
     work.dkt[:] = 0.0
     work.dvt[:] = 0.0
@@ -832,17 +833,35 @@ def _backward_key_block(ops, plan, grads, work, b, n2, j0, chunk):
     for n in range(n2 * G, n2 * G + G):
         for i0 in range(0, Sq, BQ):
             rows = min(BQ, Sq - i0)
+            # a tile across the visible region's edge (the causal diagonal) runs as tiles of _EDGE_ROWS rows, each
+            # cut to its visible columns (3/8 of a causal diagonal tile is then skipped)
             kind = _tile_kind(i0, rows, j0, cols, plan.pre, plan.nxt, plan.prefix[b])
-            if kind == _OUTSIDE and not _dead_row(ops.smax, b, n, i0, rows):
-                continue  # P = exp(-FLT_MAX - max) = 0 on the whole tile
-            on_brgemm = packed and (rows % 2 == 0 or not _pairs(q))
-            tile = Tile(b, n, i0, rows, j0, cols)
-            queries, qt = _query_rows(ops, work, tile, on_brgemm)
-            _score_gemms(ops, tile, n2, queries, keys, on_brgemm, work)
-            general = plan.has_mask or kind != _INSIDE
-            _backward_tile(work, tile, general, plan, ops, grads.dpse)
-            dq_ptr = dq_acc.ctypes.data + (((chunk * dq_acc.shape[1] + b) * N1 + n) * Sq + i0) * dq_acc.shape[4] * 4
-            _gradient_gemms(ops, tile, queries, keys, qt, on_brgemm, work, dq_ptr)
+            step = _EDGE_ROWS if kind == _PARTIAL else rows
+            for g0 in range(i0, i0 + rows, step):
+                tile = Tile(b, n, g0, min(step, i0 + rows - g0), j0, cols)
+                _backward_visible_tile(ops, plan, grads, work, keys, packed, tile, n2, chunk)
+
+
+@njit(inline="always")
+def _backward_visible_tile(ops, plan, grads, work, keys, packed, tile, n2, chunk):
+    """The five GEMMs and the dS of a tile of :func:`_backward_key_block`, cut to its leading columns that hold
+    visible keys (:func:`_visible_cols`) and skipped when none is, unless a row of it is fully masked (its P is
+    then exp(0) / sum over all keys, :func:`_dead_row`)."""
+    b, n, i0, rows, j0, cols = tile
+    if not _dead_row(ops.smax, b, n, i0, rows):
+        cols = _visible_cols(i0, rows, j0, cols, plan.nxt, plan.prefix[b])
+        if cols == 0 or _tile_kind(i0, rows, j0, cols, plan.pre, plan.nxt, plan.prefix[b]) == _OUTSIDE:
+            return  # P = exp(-FLT_MAX - max) = 0 on the whole tile
+    kind = _tile_kind(i0, rows, j0, cols, plan.pre, plan.nxt, plan.prefix[b])
+    on_brgemm = packed and (rows % 2 == 0 or not _pairs(ops.q))
+    tile = Tile(b, n, i0, rows, j0, cols)
+    queries, qt = _query_rows(ops, work, tile, on_brgemm)
+    _score_gemms(ops, tile, n2, queries, keys, on_brgemm, work)
+    _backward_tile(work, tile, plan.has_mask or kind != _INSIDE, plan, ops, grads.dpse)
+    dq_acc = grads.dq_acc
+    N1, Sq = ops.q.shape[1], ops.q.shape[2]
+    dq_ptr = dq_acc.ctypes.data + (((chunk * dq_acc.shape[1] + b) * N1 + n) * Sq + i0) * dq_acc.shape[4] * 4
+    _gradient_gemms(ops, tile, queries, keys, qt, on_brgemm, work, dq_ptr)
 
 
 @njit(inline="always")
