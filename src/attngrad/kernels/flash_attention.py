@@ -127,7 +127,7 @@ class KernelPlan(NamedTuple):
     sq: int
     skv: int
     scale: np.float32
-    inv_keep: np.float32  # 1 / keep_prob
+    keep_factors: np.ndarray  # float32 [256, 8]: the dropout factors of the 8 bits of each keep-mask byte
     probs_like: np.ndarray  # 1 element of the type P and dS are rounded to before their GEMMs (:func:`_operand`)
     sink: np.ndarray  # float32 [N1]: the sink logit of each head, read when has_sink
     has_sink: bool
@@ -336,21 +336,20 @@ def _modify_scores(s, r, tile, general, plan):
 
 
 @njit(inline="always")
-def _keep_factors(drop, e0, cols, inv_keep, f):
-    """f[c] = dropout factor M / keep_prob of flat element e0 + c: bits of the LSB-first packed keep mask,
-    unpacked a whole byte at a time."""
-    zero = np.float32(0.0)
+def _keep_factors(drop, e0, cols, table, f):
+    """f[c] = dropout factor M / keep_prob of flat element e0 + c from the LSB-first packed keep mask: a whole byte
+    at a time from ``table`` (:func:`_keep_factor_table`), eight floats copied."""
     c = 0
     while c < cols and (e0 + c) & 7:
-        f[c] = inv_keep if (drop[(e0 + c) >> 3] >> ((e0 + c) & 7)) & 1 else zero
+        f[c] = table[drop[(e0 + c) >> 3], (e0 + c) & 7]
         c += 1
     while c + 8 <= cols:
-        byte = np.int32(drop[(e0 + c) >> 3])
+        factors = table[drop[(e0 + c) >> 3]]
         for t in range(8):
-            f[c + t] = inv_keep if (byte >> t) & 1 else zero
+            f[c + t] = factors[t]
         c += 8
     while c < cols:
-        f[c] = inv_keep if (drop[(e0 + c) >> 3] >> ((e0 + c) & 7)) & 1 else zero
+        f[c] = table[drop[(e0 + c) >> 3], (e0 + c) & 7]
         c += 1
 
 
@@ -358,7 +357,7 @@ def _keep_factors(drop, e0, cols, inv_keep, f):
 def _row_keep_factors(plan, tile, r, f):
     """:func:`_keep_factors` of row r of the tile (flat keep-mask element ``((b*N1 + n)*Sq + i)*Skv + j``)."""
     b, n, i0, _, j0, cols = tile
-    _keep_factors(plan.drop, ((b * plan.n1 + n) * plan.sq + i0 + r) * plan.skv + j0, cols, plan.inv_keep, f)
+    _keep_factors(plan.drop, ((b * plan.n1 + n) * plan.sq + i0 + r) * plan.skv + j0, cols, plan.keep_factors, f)
 
 
 @njit(inline="always")
@@ -1004,15 +1003,23 @@ def _kernel_plan(plan: AttentionPlan, q: torch.Tensor, skv: int, dpse: bool = Fa
     prefix = np.zeros(b, np.int64) if plan.prefix is None else np.asarray(plan.prefix, np.int64)
     drop = (plan.drop_mask.reshape(-1).contiguous().numpy() if plan.has_dropout
             else np.zeros(1, np.uint8))
-    scale, inv_keep = np.array([plan.scale, 1.0 / np.float32(plan.keep_prob)], np.float32)
+    scale = np.float32(plan.scale)
     sink = np.zeros(1, np.float32) if plan.sink is None else plan.sink.detach().float().contiguous().numpy()
     return KernelPlan(mask, pse, prefix, drop, pre=int(plan.pre_tokens), nxt=int(plan.next_tokens),
                       has_mask=plan.atten_mask is not None, pse_kind=_pse_kind(plan),
                       pse_first=bool(plan.pse_type == 1), shift=int(plan.kv_start_idx - plan.q_start_idx),
                       dropout=bool(plan.has_dropout), dpse=bool(dpse), invalid_rows=bool(plan.invalid_rows),
-                      n1=int(n1), sq=int(sq), skv=int(skv), scale=scale, inv_keep=inv_keep,
+                      n1=int(n1), sq=int(sq), skv=int(skv), scale=scale,
+                      keep_factors=_keep_factor_table(plan.keep_prob),
                       probs_like=kernel_view(q.new_zeros(1, dtype=q.dtype if plan.round_probs else torch.float32)),
                       sink=sink, has_sink=plan.sink is not None)
+
+
+def _keep_factor_table(keep_prob: float) -> np.ndarray:
+    """float32 ``[256, 8]``: entry [byte, t] is the dropout factor of bit t of a keep-mask byte, ``1 / keep_prob``
+    (rounded to float32) where the bit is set, else 0."""
+    bits = (np.arange(256)[:, None] >> np.arange(8)) & 1
+    return np.where(bits == 1, np.float32(1.0) / np.float32(keep_prob), np.float32(0.0)).astype(np.float32)
 
 
 def _use_brgemm(q: torch.Tensor, d: int, dv: int) -> bool:
