@@ -12,6 +12,7 @@ import textwrap
 
 import numpy as np
 import pytest
+from numba import typeof
 
 from attngrad.kernels import child_compile
 from attngrad.kernels.layouts import launch_strided
@@ -65,9 +66,10 @@ def test_a_failed_child_warns_and_the_kernel_compiles_in_this_process(kernel, mo
 
 def test_a_held_compile_lock_times_out_into_a_compile_in_this_process(kernel, monkeypatch):
     monkeypatch.setattr(child_compile, "TIMEOUT_S", 0.3)
-    fd = os.open(kernel._cache._cache_file._index_path + ".compile.lock", os.O_RDWR | os.O_CREAT)
+    signature = (typeof(np.zeros(1)).copy(layout="A"),) * 2
+    fd = os.open(child_compile.compile_lock_path(kernel, signature), os.O_RDWR | os.O_CREAT)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # another process compiling the same kernel
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another process compiling the same specialisation
         with pytest.warns(RuntimeWarning, match="held the compile lock"):
             assert _launch(kernel) == (0, 1)
     finally:

@@ -8,8 +8,9 @@ process keeps calling its own first copies; see docs/performance.md). So every p
 interpreter (``sys.executable``, the same environment and ``sys.path``), which saves it to the cache, and then
 loads it here. Specialisations already in the cache are simply loaded.
 
-A per-kernel lock file (``<numba index>.compile.lock``) makes processes that ask for the same kernel at once
-(pytest-xdist workers, distributed ranks) wait for one child and then load its result. The kernel is compiled
+A lock file per specialisation (:func:`compile_lock_path`, beside numba's index) makes processes that ask for
+the same specialisation at once (pytest-xdist workers, distributed ranks) wait for one child and then load its
+result; different specialisations of a kernel compile side by side. The kernel is compiled
 in this process instead, as numba does by default, where the child cannot help: ``ATTNGRAD_COMPILE_IN_CHILD=0``
 (set in the child itself, so it never recurses), a kernel without a disk cache (``cache=False``) or not
 importable by name (defined in a function), no interpreter to start; and, with a warning, where the child fails,
@@ -20,6 +21,7 @@ later specialisations then compile in this process too).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import logging
 import os
@@ -114,7 +116,7 @@ def _compile_in_child(kernel, signature: tuple) -> str | None:
     except Exception as exc:  # noqa: BLE001 - e.g. a namedtuple class defined in a function
         return f"the signature cannot be pickled: {exc}"
     deadline = time.monotonic() + TIMEOUT_S
-    with _kernel_lock(kernel._cache._cache_file._index_path + ".compile.lock", deadline) as locked:
+    with _held_lock(compile_lock_path(kernel, signature), deadline) as locked:
         if not locked:
             return f"another process held the compile lock for {TIMEOUT_S:.0f} s"
         if _in_cache(kernel, signature):  # another process compiled it while this one waited
@@ -137,8 +139,14 @@ def _compile_in_child(kernel, signature: tuple) -> str | None:
     return None
 
 
+def compile_lock_path(kernel, signature: tuple) -> str:
+    """``<numba index of kernel>.<digest of signature and target>.compile.lock``."""
+    digest = hashlib.sha256(repr((signature, kernel.targetctx.codegen().magic_tuple())).encode()).hexdigest()
+    return f"{kernel._cache._cache_file._index_path}.{digest[:16]}.compile.lock"
+
+
 @contextlib.contextmanager
-def _kernel_lock(path: str, deadline: float):
+def _held_lock(path: str, deadline: float):
     """Hold an exclusive ``flock`` on ``path``, polling until ``deadline``; yields whether it is held. Without
     ``flock`` or a writable lock file, yields True unlocked (two children then compile the same thing, which
     costs time but is harmless: numba's saves are serialised by :mod:`.cache_lock`)."""
