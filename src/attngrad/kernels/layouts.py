@@ -11,6 +11,10 @@ from the rows' addresses (:func:`.numeric.array_at`), which LLVM vectorises the 
 indexing ``'A'`` arrays in the loop would vectorise some fast-math row reductions differently. ScaledMaskedSoftmax
 and ExpSegsum launch through :func:`strided_layout`, flash attention's two tile kernels through
 :func:`launch_strided` (their plan typed exactly); the tests compare strided and contiguous calls bit for bit.
+
+A specialisation new to the process is loaded from numba's disk cache, after a child process has compiled it
+there if needed (:mod:`.child_compile`): code compiled in the calling process differs in the last bits and is
+slower. ``ATTNGRAD_COMPILE_IN_CHILD=0`` compiles in the calling process instead.
 """
 
 from __future__ import annotations
