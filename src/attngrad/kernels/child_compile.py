@@ -61,7 +61,7 @@ def compile_cached(kernel, signature: tuple):
         start = time.perf_counter()
         reason = _compile_in_child(kernel, signature)
         if reason is None:
-            _log.debug("%s %s: compiled in a child process in %.1f s", _name(kernel), signature,
+            _log.debug("%s %s: in the disk cache after %.1f s (child process)", _name(kernel), signature,
                        time.perf_counter() - start)
             misses = kernel.stats.cache_misses[signature]
             entry = kernel.compile(signature)
@@ -108,8 +108,8 @@ def _in_cache(kernel, signature: tuple) -> bool:
 
 
 def _compile_in_child(kernel, signature: tuple) -> str | None:
-    """Compile ``signature`` of ``kernel`` into the disk cache in a child process, one process at a time per
-    kernel; None on success, else the reason of the failure."""
+    """Compile ``signature`` of ``kernel`` into the disk cache in a child process, unless another process does
+    so meanwhile (:func:`compile_lock_path`); None once it is in the cache, else the reason of the failure."""
     try:
         job = pickle.dumps({"path": list(sys.path), "module": kernel.py_func.__module__,
                             "qualname": kernel.py_func.__qualname__, "signature": tuple(signature)})
