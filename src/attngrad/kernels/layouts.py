@@ -11,6 +11,10 @@ from the rows' addresses (:func:`.numeric.array_at`), which LLVM vectorises the 
 indexing ``'A'`` arrays in the loop would vectorise some fast-math row reductions differently. ScaledMaskedSoftmax
 and ExpSegsum launch through :func:`strided_layout`, flash attention's two tile kernels through
 :func:`launch_strided` (their plan typed exactly); the tests compare strided and contiguous calls bit for bit.
+
+A specialisation new to the process is loaded from numba's disk cache, after a child process has compiled it
+there if needed (:mod:`.child_compile`): code compiled in the calling process differs in the last bits and is
+slower. ``ATTNGRAD_COMPILE_IN_CHILD=0`` compiles in the calling process instead.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import functools
 
 from numba import typeof, types
 from numba._dispatcher import compute_fingerprint
+
+from .child_compile import compile_cached
 
 
 def _strided(ty: types.Type) -> types.Type:
@@ -39,12 +45,13 @@ def launch_strided(kernel, *args, exact: tuple[int, ...] = ()):
     """Call the numba dispatcher ``kernel`` with the arrays of every argument typed ``'A'`` (also inside tuples and
     namedtuples) except the arguments at the positions in ``exact``, typed as numba types them: one specialisation
     per combination of dtypes whatever the layouts. For kernels that loop over rows through C-contiguous row views
-    (:func:`.numeric.array_at`): their results then do not depend on the typing."""
+    (:func:`.numeric.array_at`): their results then do not depend on the typing. A new specialisation compiles in
+    a child process and loads from numba's disk cache (:func:`.child_compile.compile_cached`)."""
     key = (kernel, exact, *map(compute_fingerprint, args))  # numba's own type key of a value: a microsecond
     entry = _entry_points.get(key)
     if entry is None:
         signature = tuple(typeof(a) if i in exact else _strided(typeof(a)) for i, a in enumerate(args))
-        entry = _entry_points[key] = kernel.compile(signature)
+        entry = _entry_points[key] = compile_cached(kernel, signature)
     return entry(*args)
 
 

@@ -1,0 +1,100 @@
+"""A new kernel specialisation compiles in a child process and loads from numba's disk cache, so a process with an
+empty cache runs the same code, and gets the same bits, as the next process; where the child cannot help, the
+kernel compiles in the calling process as numba does by default."""
+
+import fcntl
+import importlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from numba import typeof
+
+from attngrad.kernels import child_compile
+from attngrad.kernels.layouts import launch_strided
+
+_KERNEL_MODULE = """
+import os
+from numba import njit
+if os.environ.get("ATTNGRAD_TEST_BREAK_CHILD") and os.environ.get("ATTNGRAD_COMPILE_IN_CHILD") == "0":
+    raise SystemExit(3)  # the child process dies before compiling
+
+
+@njit(cache=True)
+def add_one(x, out):
+    for i in range(x.shape[0]):
+        out[i] = x[i] + 1
+"""
+
+
+@pytest.fixture
+def kernel(tmp_path, monkeypatch):
+    """A tiny cached kernel in a new module under tmp_path (its numba cache in tmp_path/__pycache__)."""
+    name = f"child_compile_kernel_{os.getpid()}"
+    (tmp_path / f"{name}.py").write_text(_KERNEL_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(child_compile, "_failed", set())
+    yield importlib.import_module(name).add_one
+    sys.modules.pop(name, None)
+
+
+def _launch(kernel):
+    x, out = np.arange(4.0), np.zeros(4)
+    launch_strided(kernel, x, out)
+    np.testing.assert_array_equal(out, x + 1)
+    return sum(kernel.stats.cache_hits.values()), sum(kernel.stats.cache_misses.values())
+
+
+def test_a_new_specialisation_compiles_in_a_child_and_loads_from_the_cache(kernel):
+    assert _launch(kernel) == (1, 0)  # one cache hit, no compile in this process
+
+
+def test_switched_off_the_kernel_compiles_in_this_process(kernel, monkeypatch):
+    monkeypatch.setenv(child_compile.ENV_SWITCH, "0")
+    assert _launch(kernel) == (0, 1)
+
+
+def test_a_failed_child_warns_and_the_kernel_compiles_in_this_process(kernel, monkeypatch):
+    monkeypatch.setenv("ATTNGRAD_TEST_BREAK_CHILD", "1")
+    with pytest.warns(RuntimeWarning, match="add_one compiles in this process.*status 3"):
+        assert _launch(kernel) == (0, 1)
+
+
+def test_a_held_compile_lock_times_out_into_a_compile_in_this_process(kernel, monkeypatch):
+    monkeypatch.setattr(child_compile, "TIMEOUT_S", 0.3)
+    signature = (typeof(np.zeros(1)).copy(layout="A"),) * 2
+    fd = os.open(child_compile.compile_lock_path(kernel, signature), os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # another process compiling the same specialisation
+        with pytest.warns(RuntimeWarning, match="held the compile lock"):
+            assert _launch(kernel) == (0, 1)
+    finally:
+        os.close(fd)
+
+
+_BITS = """
+import hashlib, json, torch, attngrad
+from attngrad.kernels.scaled_masked_softmax import scaled_masked_softmax_backward as kernel
+torch.manual_seed(0)
+y, mask = torch.softmax(torch.randn(2, 4, 64, 128), -1), torch.rand(2, 1, 64, 128) > 0.8
+dx = attngrad.scaled_masked_softmax_backward(torch.randn_like(y), y, mask, 0.7)
+stats = kernel.dispatcher.stats
+print(json.dumps([hashlib.sha256(dx.numpy().tobytes()).hexdigest(), sum(stats.cache_misses.values())]))
+"""
+
+
+def test_a_process_with_an_empty_cache_gets_the_bits_of_the_next_process(tmp_path):
+    """fp32 ScaledMaskedSoftmaxBackward differs in the last bits where the calling process compiles it itself."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), child_compile.ENV_SWITCH: "1"}
+
+    def run():
+        proc = subprocess.run([sys.executable, "-c", textwrap.dedent(_BITS)], capture_output=True, text=True,
+                              env=env, timeout=600, check=True)
+        return json.loads(proc.stdout.splitlines()[-1])
+
+    cold, cached = run(), run()
+    assert cold == cached and cold[1] == 0  # same bits; neither process compiled the kernel itself
