@@ -4,6 +4,9 @@ numba's own setting afterwards; MKL stays single-threaded inside them."""
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
 
 import numba
 import pytest
@@ -44,6 +47,18 @@ def test_restored_when_the_kernel_raises():
     with torch_threads(1), pytest.raises(ValueError):
         failing()
     assert numba.get_num_threads() == before
+
+
+def test_starting_numba_pool_keeps_torch_count():
+    """numba's OpenMP pool starts at the first kernel launch and sets the OpenMP runtime's count, which torch reads:
+    a count set before (here by OMP_NUM_THREADS=1, in a fresh process) must survive it."""
+    code = ("import torch; from attngrad.kernels.threads import on_torch_threads; import numba; "
+            "on_torch_threads(lambda: None)(); numba.np.ufunc.parallel._launch_threads(); "
+            "print(torch.get_num_threads())")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "2"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["1"]
 
 
 @pytest.mark.parametrize("launch", [flash_attention.flash_attention_forward, flash_attention.flash_attention_backward,

@@ -29,8 +29,13 @@ def kernel_threads() -> int:
 def _count_functions():
     """numba's getter and setter of the calling thread's count: the threading layer's own functions (numba's
     public ``get_num_threads`` / ``set_num_threads`` re-check the pool on every call, 2-3 us each) where numba
-    exposes them, else the public ones. Starts numba's pool."""
+    exposes them, else the public ones. Starts numba's pool, keeping torch's count: with numba's OpenMP layer the
+    start sets the OpenMP runtime's count to numba's pool size, and torch reads its count from that runtime (a
+    ``torch.set_num_threads(1)`` before the first kernel would otherwise be undone)."""
+    torch_threads = torch.get_num_threads()
     _parallel._launch_threads()
+    if torch.get_num_threads() != torch_threads:
+        torch.set_num_threads(torch_threads)
     return (getattr(_parallel, "_get_num_threads", numba.get_num_threads),
             getattr(_parallel, "_set_num_threads", numba.set_num_threads))
 
