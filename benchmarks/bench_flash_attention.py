@@ -109,20 +109,23 @@ def _band_cases(shape) -> list[BenchCase]:
                       "torch sdpa flash (C++, dense bool mask)")
 
 
-def _modifier_case(shape) -> BenchCase:
-    """pse [B,N1,S,S] + causal + dropout 0.9 vs plain causal, both attngrad grads (ratio = modifier cost)."""
+def _modifier_cases(shape) -> list[BenchCase]:
+    """Causal grads with dropout 0.9 and a pse, dense [B,N1,S,S] or alibi generated from float32 slopes (pse_type
+    2), against the plain causal grad (ratio = plain time / modified time: the modifiers' cost)."""
     b, n, s, d = shape
     q, k, v, dy = _inputs(shape, torch.bfloat16)
-    pse = torch.randn(b, n, s, s, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
-    drop = generate_drop_mask(0, 0, b * n * s * s, 0.9)
-    full = _plan(q, k, v, atten_mask=_TRIU, sparse_mode=2, pse=pse, keep_prob=0.9, drop_mask=drop)
-    plain = _plan(q, k, v, atten_mask=_TRIU, sparse_mode=2)
-    return BenchCase(
-        op="FlashAttentionScoreGrad", dtype=torch.bfloat16, label=_label(shape, " causal+pse BNSS+dropout 0.9"),
+    causal = dict(atten_mask=_TRIU, sparse_mode=2)
+    dropout = dict(keep_prob=0.9, drop_mask=generate_drop_mask(0, 0, b * n * s * s, 0.9))
+    plain = _plan(q, k, v, **causal)
+    pses = {"pse BNSS": dict(pse=torch.randn(b, n, s, s, generator=torch.Generator().manual_seed(1)).to(q.dtype)),
+            "alibi": dict(pse=torch.rand(n, generator=torch.Generator().manual_seed(3)), pse_type=2)}
+    return [BenchCase(
+        op="FlashAttentionScoreGrad", dtype=torch.bfloat16, label=_label(shape, f" causal+{name}+dropout 0.9"),
         flops=2.5 * 4 * d * visible_pairs(plain, b, n, s, s), roofline="gemm_bf16_best",
-        impls={"attngrad pse+causal+dropout": _attngrad_calls(q, k, v, dy, full)[1],
+        impls={f"attngrad {name}+causal+dropout": _attngrad_calls(q, k, v, dy, _plan(q, k, v, **pse, **dropout,
+                                                                                      **causal))[1],
                "attngrad plain causal": _attngrad_calls(q, k, v, dy, plain)[1]},
-        notes="cost of pse + dropout score modifiers (target: <= 1.5x the plain causal grad)")
+        notes="cost of the pse + dropout score modifiers (target: ratio >= 0.9)") for name, pse in pses.items()]
 
 
 def rope_cases(shape, dtype, dr: int = 64) -> list[BenchCase]:
@@ -164,4 +167,4 @@ def cases(quick: bool) -> list[BenchCase]:
         out += _case_pair(shape, dtype, "", {}, {})
         out += _case_pair(shape, dtype, " causal mode 2", dict(atten_mask=_TRIU, sparse_mode=2), dict(causal=True))
         out += rope_cases(shape, dtype)
-    return out + _band_cases(band_shape) + [_modifier_case(shape)] + sink_cases(shape)
+    return out + _band_cases(band_shape) + _modifier_cases(shape) + sink_cases(shape)
