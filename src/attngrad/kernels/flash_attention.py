@@ -47,6 +47,9 @@ Tiles and work split (both cores busy even for one head, results identical for a
   independent) range of key blocks. A task owns dK/dV of its key blocks (fp32 tile accumulators over
   the G heads and all query blocks, in a fixed order; stored transposed, ``[D, BK]``) and adds its dQ
   contribution into its own fp32 slice ``dq_acc[chunk]``; the slices are summed in chunk order at the end.
+  A tile is cut to its leading columns that hold visible keys, and one across the visible region's edge
+  (the causal diagonal) runs as tiles of ``_EDGE_ROWS`` query rows, each cut on its own
+  (:func:`_backward_visible_tile`).
   bfloat16 and float32 run the five GEMMs on the brgemm too (:func:`_score_gemms`, :func:`_gradient_gemms`): the
   key block's K^T, V^T (and bfloat16 K) are packed once per block, bfloat16 Pd and dS once per tile, and dK^T /
   dV^T take Q^T / dY^T from transposed copies made once per call; bfloat16 tiles with an odd row or column count
