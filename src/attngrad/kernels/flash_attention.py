@@ -850,11 +850,14 @@ def _backward_visible_tile(ops, plan, grads, work, keys, packed, tile, n2, chunk
     visible keys (:func:`_visible_cols`) and skipped when none is, unless a row of it is fully masked (its P is
     then exp(0) / sum over all keys, :func:`_dead_row`)."""
     b, n, i0, rows, j0, cols = tile
-    if not _dead_row(ops.smax, b, n, i0, rows):
+    dead = _dead_row(ops.smax, b, n, i0, rows)
+    if not dead:
         cols = _visible_cols(i0, rows, j0, cols, plan.nxt, plan.prefix[b])
-        if cols == 0 or _tile_kind(i0, rows, j0, cols, plan.pre, plan.nxt, plan.prefix[b]) == _OUTSIDE:
-            return  # P = exp(-FLT_MAX - max) = 0 on the whole tile
+        if cols == 0:
+            return
     kind = _tile_kind(i0, rows, j0, cols, plan.pre, plan.nxt, plan.prefix[b])
+    if kind == _OUTSIDE and not dead:
+        return  # P = exp(-FLT_MAX - max) = 0 on the whole tile
     on_brgemm = packed and (rows % 2 == 0 or not _pairs(ops.q))
     tile = Tile(b, n, i0, rows, j0, cols)
     queries, qt = _query_rows(ops, work, tile, on_brgemm)
