@@ -41,12 +41,14 @@ def test_live_view_keeps_the_block():
 def test_limit_releases_the_oldest_block():
     pool = OutputPool(limit=16 << 20)
     first, second = pool.tensor((8 << 20,), torch.uint8), pool.tensor((16 << 20,), torch.uint8)
-    first_address = first.data_ptr()
     del first
     assert pool.free_bytes == 8 << 20
     del second  # 24 MiB free: over the limit, so the oldest (first) is released
     assert pool.free_bytes == 16 << 20
-    assert pool.tensor((8 << 20,), torch.uint8).data_ptr() != first_address
+    third = pool.tensor((8 << 20,), torch.uint8)  # a new block: the 8 MiB one is gone, the 16 MiB one stays
+    assert pool.free_bytes == 16 << 20
+    del third
+    assert pool.free_bytes == 8 << 20  # 24 MiB again: the 16 MiB block, now the oldest, is released
     pool.clear()
     assert pool.free_bytes == 0
 

@@ -1009,7 +1009,7 @@ def _kernel_plan(plan: AttentionPlan, q: torch.Tensor, skv: int, dpse: bool = Fa
     prefix = np.zeros(b, np.int64) if plan.prefix is None else np.asarray(plan.prefix, np.int64)
     drop = (plan.drop_mask.reshape(-1).contiguous().numpy() if plan.has_dropout
             else np.zeros(1, np.uint8))
-    scale = np.float32(plan.scale)
+    scale = np.array([plan.scale], np.float32)[0]  # (an out-of-range scale becomes inf without a warning)
     sink = np.zeros(1, np.float32) if plan.sink is None else plan.sink.detach().float().contiguous().numpy()
     return KernelPlan(mask, pse, prefix, drop, pre=int(plan.pre_tokens), nxt=int(plan.next_tokens),
                       has_mask=plan.atten_mask is not None, pse_kind=_pse_kind(plan),
