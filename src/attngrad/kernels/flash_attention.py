@@ -173,8 +173,8 @@ class ForwardScratch(NamedTuple):
 
 
 class BackwardOperands(NamedTuple):
-    """q, k, v, dy (kernel views), the Q^T / dY^T copies ``[B, N1, D, Sq]`` of the brgemm path (``packed``), the
-    given softmax stats and ``dr = rowsum(dy * out)`` ``[B, N1, Sq]`` fp32."""
+    """q, k, v, dy (kernel views), the Q^T / dY^T (/ Q_rope^T) copies ``[B, N1, D, Sq]`` of the brgemm path
+    (``packed``), the given softmax stats and ``dr = rowsum(dy * out)`` ``[B, N1, Sq]`` fp32."""
 
     q: np.ndarray
     k: np.ndarray
@@ -189,6 +189,7 @@ class BackwardOperands(NamedTuple):
     qr: np.ndarray  # the rope parts, as in :class:`ForwardOperands`
     kr: np.ndarray
     rope: bool
+    qrt: np.ndarray  # Q_rope^T ``[B, N1, Dr, Sq]`` (rope on the brgemm)
 
 
 class Gradients(NamedTuple):
@@ -217,8 +218,7 @@ class BackwardScratch(NamedTuple):
     pt_pairs: np.ndarray  # bfloat16 Pd and dS as VNNI pairs (:func:`_pack_tile`)
     dst_pairs: np.ndarray
     kk: np.ndarray  # rope: [1, 1, _BK, D + Dr] the key block's [K | K_rope] rows (:func:`_key_rows`)
-    qq: np.ndarray  # rope: [1, 1, _BQ, D + Dr] the tile's [Q | Q_rope] rows and (brgemm) their transpose
-    qqt: np.ndarray  # [1, 1, D + Dr, _BQ] (:func:`_query_rows`)
+    qq: np.ndarray  # rope on MKL: [1, 1, _BQ, D + Dr] the tile's [Q | Q_rope] rows (:func:`_query_rows`)
 
 
 def _operand(v, like, tile):  # pragma: no cover - compiled through the overload below
@@ -741,20 +741,15 @@ def _key_rows(ops, work, b, n2, j0, cols):
 
 @njit(inline="always")
 def _query_rows(ops, work, tile, on_brgemm):
-    """``((x, b, n, i), qt)``: the tile's query rows as :func:`_key_rows` gives the keys, and the brgemm's A operand
-    Q^T of dK^T: columns of the transposed copy ``ops.qt``, or with rope of work.qqt, the transpose of the tile's
-    ``[Q | Q_rope]`` rows in work.qq."""
+    """``(x, b, n, i)``: the tile's query rows as :func:`_key_rows` gives the keys: q itself, or with rope on MKL
+    the tile's ``[Q | Q_rope]`` rows copied into work.qq. The brgemm takes the rope part by separate calls on
+    operands packed or copied once (:func:`_score_gemms`, :func:`_gradient_gemms`), where a per-tile copy, and
+    the transposed one its dK^T needs, would cost more than the calls."""
     b, n, i0, rows, _, _ = tile
-    if not ops.rope:
-        return (ops.q, b, n, i0), _columns(ops.qt, b, n, i0)
-    qq, qqt = work.qq, work.qqt
-    _concatenate_rows(ops.q, ops.qr, b, n, n, i0, rows, qq)
-    if on_brgemm:
-        for t0 in range(0, rows, 16):  # 16 rows at a time: they stay in L1 while their columns are written out
-            for d in range(qq.shape[3]):
-                for t in range(t0, min(t0 + 16, rows)):
-                    qqt[0, 0, d, t] = qq[0, 0, t, d]
-    return (qq, 0, 0, 0), _columns(qqt, 0, 0, 0)
+    if not ops.rope or on_brgemm:
+        return ops.q, b, n, i0
+    _concatenate_rows(ops.q, ops.qr, b, n, n, i0, rows, work.qq)
+    return work.qq, 0, 0, 0
 
 
 @njit(inline="always")
@@ -781,6 +776,10 @@ def _score_gemms(ops, tile, n2, queries, keys, on_brgemm, work):
     if on_brgemm:
         block = min(work.s.shape[1], v.shape[2] - j0)  # the packed K^T / V^T row stride: the key block's width
         brgemm(q, rows, cols, dqk, qp, (work.kt.ctypes.data, block), _scratch(work.s), False)
+        if ops.rope:  # + Q_rope K_rope^T from the trailing rows of the packed [K | K_rope]^T
+            rope_rows = work.kt.ctypes.data + dqk * work.kt.itemsize // _per_packed(q, work.kt) * block
+            brgemm(q, rows, cols, ops.qr.shape[3], _matrix(ops.qr, b, n, i0), (rope_rows, block), _scratch(work.s),
+                   True)
         brgemm(q, rows, cols, v.shape[3], dyp, (work.vt.ctypes.data, block), _scratch(work.dp), False)
     else:
         gemm(q, NO_TRANS, TRANS, rows, cols, dqk, qp, _matrix(y, kb, kn, kj), _scratch(work.s), False)
@@ -788,29 +787,39 @@ def _score_gemms(ops, tile, n2, queries, keys, on_brgemm, work):
 
 
 @njit(inline="always")
-def _gradient_gemms(ops, tile, queries, keys, qt, on_brgemm, work, dq_ptr):
-    """dV^T += dY^T Pd, dK^T += Q^T dS (fp32 ``[D, BK]`` accumulators work.dvt / work.dkt) and dQ += dS K (fp32 at
-    dq_ptr, row stride D), Q and K as in :func:`_score_gemms` (with rope D stands for D + Dr).
+def _per_packed(q, packed):
+    """Input elements per element of a packed brgemm operand (2: bfloat16 VNNI pairs in uint32)."""
+    return packed.itemsize // q.itemsize
 
-    On the brgemm the A operands dY^T and Q^T come from the transposed copy ``ops.dyt`` and ``qt``; bfloat16 Pd,
-    dS are packed (:func:`_tile_operand`) and K comes packed by :func:`_pack_key_block`."""
+
+@njit(inline="always")
+def _gradient_gemms(ops, tile, queries, keys, on_brgemm, work, dq_ptr):
+    """dV^T += dY^T Pd, dK^T += Q^T dS (fp32 ``[D, BK]`` accumulators work.dvt / work.dkt) and dQ += dS K (fp32 at
+    dq_ptr, row stride D), Q and K as in :func:`_score_gemms` (with rope dK^T and dQ have D + Dr rows / columns).
+
+    On the brgemm the A operands dY^T and Q^T (Q_rope^T) come from the transposed copies ``ops.dyt``, ``ops.qt``
+    (``ops.qrt``); bfloat16 Pd, dS are packed (:func:`_tile_operand`) and K comes packed by :func:`_pack_key_block`."""
     q, dy = ops.q, ops.dy
     b, n, i0, rows, _, cols = tile
     pt, dst, dkt, dvt = work.pt, work.dst, work.dkt, work.dvt
     x, qb, qn, qi = queries
     y, kb, kn, kj = keys
-    D, Dv = x.shape[3], dy.shape[3]
-    dq = (dq_ptr, D)
+    Dv, dqk = dy.shape[3], y.shape[3]
+    dq = (dq_ptr, dqk)
     if on_brgemm:
         pd_operand = _tile_operand(pt, rows, cols, work.pt_pairs)
         ds_operand = _tile_operand(dst, rows, cols, work.dst_pairs)
+        D = q.shape[3]
         brgemm(q, Dv, cols, rows, _columns(ops.dyt, b, n, i0), pd_operand, _scratch(dvt), True)
-        brgemm(q, D, cols, rows, qt, ds_operand, _scratch(dkt), True)
-        brgemm(q, rows, D, cols, _scratch(dst), _rows_operand(y, kb, kn, kj, work.k_pairs.ctypes.data), dq, True)
+        brgemm(q, D, cols, rows, _columns(ops.qt, b, n, i0), ds_operand, _scratch(dkt), True)
+        if ops.rope:  # dK_rope^T into the trailing rows of work.dkt
+            brgemm(q, dqk - D, cols, rows, _columns(ops.qrt, b, n, i0), ds_operand,
+                   (dkt.ctypes.data + D * dkt.strides[0], dkt.shape[1]), True)
+        brgemm(q, rows, dqk, cols, _scratch(dst), _rows_operand(y, kb, kn, kj, work.k_pairs.ctypes.data), dq, True)
     else:
         gemm(q, TRANS, NO_TRANS, Dv, cols, rows, _matrix(dy, b, n, i0), _scratch(pt), _scratch(dvt), True)
-        gemm(q, TRANS, NO_TRANS, D, cols, rows, _matrix(x, qb, qn, qi), _scratch(dst), _scratch(dkt), True)
-        gemm(q, NO_TRANS, NO_TRANS, rows, D, cols, _scratch(dst), _matrix(y, kb, kn, kj), dq, True)
+        gemm(q, TRANS, NO_TRANS, dqk, cols, rows, _matrix(x, qb, qn, qi), _scratch(dst), _scratch(dkt), True)
+        gemm(q, NO_TRANS, NO_TRANS, rows, dqk, cols, _scratch(dst), _matrix(y, kb, kn, kj), dq, True)
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
@@ -860,13 +869,13 @@ def _backward_visible_tile(ops, plan, grads, work, keys, packed, tile, n2, chunk
         return  # P = exp(-FLT_MAX - max) = 0 on the whole tile
     on_brgemm = packed and (rows % 2 == 0 or not _pairs(ops.q))
     tile = Tile(b, n, i0, rows, j0, cols)
-    queries, qt = _query_rows(ops, work, tile, on_brgemm)
+    queries = _query_rows(ops, work, tile, on_brgemm)
     _score_gemms(ops, tile, n2, queries, keys, on_brgemm, work)
     _backward_tile(work, tile, plan.has_mask or kind != _INSIDE, plan, ops, grads.dpse)
     dq_acc = grads.dq_acc
     N1, Sq = ops.q.shape[1], ops.q.shape[2]
     dq_ptr = dq_acc.ctypes.data + (((chunk * dq_acc.shape[1] + b) * N1 + n) * Sq + i0) * dq_acc.shape[4] * 4
-    _gradient_gemms(ops, tile, queries, keys, qt, on_brgemm, work, dq_ptr)
+    _gradient_gemms(ops, tile, queries, keys, on_brgemm, work, dq_ptr)
 
 
 @njit(inline="always")
@@ -875,19 +884,18 @@ def _backward_scratch(q, d, dv, dr, packed, pack_like):
     ``pack_like``'s element type (uint32 VNNI pairs for bfloat16, else float32); unused buffers are 1-element
     placeholders."""
     dqk = d + dr
-    per = pack_like.itemsize // q.itemsize  # input elements per packed element (2: VNNI pairs)
+    per = _per_packed(q, pack_like)
     block = max(dqk, dv) * _BK // per if packed else 1
     pairs = block if per == 2 else 1  # K rows and the Pd / dS tiles are packed for VNNI pairs only
     tile = _BQ * _BK // per if packed and per == 2 else 1
     like = pack_like.dtype
-    rows = (_BK, _BQ, _BQ if packed else 1) if dr else (1, 1, 1)  # the rope copies kk, qq, qqt
+    rows = (_BK, 1 if packed else _BQ) if dr else (1, 1)  # the rope copies kk, qq
     return BackwardScratch(aligned_empty((_BQ, _BK), np.float32), aligned_empty((_BQ, _BK), np.float32),
                            aligned_empty((_BQ, _BK), q.dtype), aligned_empty((_BQ, _BK), q.dtype),
                            aligned_empty((dqk, _BK), np.float32), aligned_empty((dv, _BK), np.float32),
                            aligned_empty((block,), like), aligned_empty((block,), like),
                            aligned_empty((pairs,), like), aligned_empty((tile,), like), aligned_empty((tile,), like),
-                           aligned_empty((1, 1, rows[0], dqk), q.dtype), aligned_empty((1, 1, rows[1], dqk), q.dtype),
-                           aligned_empty((1, 1, dqk, rows[2]), q.dtype))
+                           aligned_empty((1, 1, rows[0], dqk), q.dtype), aligned_empty((1, 1, rows[1], dqk), q.dtype))
 
 
 @njit(**_KERNEL)
@@ -1100,12 +1108,12 @@ def _widened(plan: AttentionPlan, *tensors: torch.Tensor) -> tuple[torch.Tensor,
     return tuple(t.float() for t in tensors) if widen else tensors
 
 
-def _transposed_operands(q: torch.Tensor, dy: torch.Tensor, packed: bool, rope: bool) -> tuple[np.ndarray, ...]:
-    """Q^T and dY^T ``[B, N1, D, Sq]`` (contiguous copies): the A operands of the backward's dK and dV brgemm
-    (``packed``, :func:`_use_brgemm`; with rope Q^T comes per tile, :func:`_query_rows`), else placeholders."""
-    placeholder = kernel_view(q.new_zeros(1, 1, 1, 1))
-    return tuple(kernel_view(t.transpose(-1, -2).contiguous()) if packed and not (rope and t is q) else placeholder
-                 for t in (q, dy))
+def _transposed(t: torch.Tensor | None, packed: bool, like: torch.Tensor) -> np.ndarray:
+    """t^T ``[B, N, D, S]`` (a contiguous copy): an A operand of the backward's dK (Q^T, Q_rope^T) and dV (dY^T)
+    brgemm (``packed``, :func:`_use_brgemm`), else a placeholder of like's type."""
+    if packed and t is not None:
+        return kernel_view(t.transpose(-1, -2).contiguous())
+    return kernel_view(like.new_zeros(1, 1, 1, 1))
 
 
 def backward_chunks(batch_kv_heads: int, skv: int) -> int:
@@ -1167,8 +1175,8 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     smax, ssum = (_view(t.detach().float(), in_place) for t in (softmax_max, softmax_sum))
     packed = _use_brgemm(q, D, v.shape[3])
     qr, kr, has_rope = _rope_views(q, rope_operands, in_place)
-    operands = BackwardOperands(qv, kv, vv, dyv, *_transposed_operands(q, dy, packed, has_rope), smax, ssum, dr,
-                                packed, qr, kr, has_rope)
+    operands = BackwardOperands(qv, kv, vv, dyv, _transposed(q, packed, q), _transposed(dy, packed, q), smax, ssum,
+                                dr, packed, qr, kr, has_rope, _transposed(rope_operands and rope_operands[0], packed, q))
     rope_dim = qr.shape[3] if has_rope else 0
     dq_acc = np.zeros((chunks, B, N1, Sq, D + rope_dim), np.float32)
     dkr = np.empty((B, N2, Skv, rope_dim) if has_rope else (1, 1, 1, 1), np.float32)
