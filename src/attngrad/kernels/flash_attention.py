@@ -79,6 +79,7 @@ from the slopes. Dropout bits are unpacked a byte at a time per row.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -1029,9 +1030,10 @@ def _kernel_plan(plan: AttentionPlan, q: torch.Tensor, skv: int, dpse: bool = Fa
                       sink=sink, has_sink=plan.sink is not None)
 
 
+@functools.lru_cache(maxsize=8)
 def _keep_factor_table(keep_prob: float) -> np.ndarray:
     """float32 ``[256, 8]``: entry [byte, t] is the dropout factor of bit t of a keep-mask byte, ``1 / keep_prob``
-    (rounded to float32) where the bit is set, else 0."""
+    (rounded to float32) where the bit is set, else 0. Cached: the kernels only read it."""
     bits = (np.arange(256)[:, None] >> np.arange(8)) & 1
     return np.where(bits == 1, np.float32(1.0) / np.float32(keep_prob), np.float32(0.0)).astype(np.float32)
 
@@ -1081,20 +1083,21 @@ def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=
     ``plan.sink``: every row's softmax has one more logit ``sink[n]`` without a value (max and sum include it).
 
     out / softmax_max / softmax_sum: optional preallocated outputs of those shapes and dtypes (any strides,
-    e.g. views into TND tensors), written in place and returned; q, k, v are then read in place too (any
-    strides with unit-stride rows), else from contiguous copies (:func:`_view`). Fully masked rows:
+    e.g. views into TND tensors), written in place and returned. q, k, v (and the rope parts) are read from
+    contiguous copies unless they are contiguous: every query tile reads all of K and V, and MKL's operand
+    packing from TND rows (a row stride of N * D elements, a power of two) made the varlen forward 4-10% slower
+    than on copies (docs/performance.md). Fully masked rows:
     max = -FLT_MAX and sum = Skv (uniform P over all keys), or with ``plan.invalid_rows`` out = 0,
     max = -FLT_MAX, sum = +FLT_MAX (see docs/cann-semantics.md, 'Fully masked rows').
     """
     B, N1, Sq, _ = q.shape
-    in_place = out is not None
     out = torch.empty(B, N1, Sq, v.shape[3], dtype=q.dtype) if out is None else _unit_rows(out)
     smax = torch.empty(B, N1, Sq, dtype=torch.float32) if softmax_max is None else softmax_max
     ssum = torch.empty(B, N1, Sq, dtype=torch.float32) if softmax_sum is None else softmax_sum
     kplan = _kernel_plan(plan, q, k.shape[2])
     q, k, v = _widened(plan, q, k, v)
     rope = rope and _widened(plan, *rope)
-    operands = _forward_operands(q, *(_view(t, in_place) for t in (q, k, v)), _rope_views(q, rope, in_place))
+    operands = _forward_operands(q, *(_view(t) for t in (q, k, v)), _rope_views(q, rope, False))
     _dynamic(_forward_kernel, operands, kplan, kernel_view(out), smax.numpy(), ssum.numpy(), exact=(1,))
     return out, smax, ssum
 
