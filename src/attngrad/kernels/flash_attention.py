@@ -39,7 +39,9 @@ forward pass on the widened inputs, ``Dr = rowsum(dy * out) = rowsum(P * dP)``, 
 Tiles and work split (both cores busy even for one head, results identical for any thread count):
 
 * forward: one task per (b, n1, query block); each task owns its rows, no reduction. A tile is cut to its
-  leading columns that hold visible keys (:func:`_visible_cols`, e.g. the causal diagonal). bfloat16 and
+  leading columns that hold visible keys (:func:`_visible_cols`, e.g. the causal diagonal), and one across the
+  visible region's edge runs as tiles of ``_EDGE_ROWS`` query rows, each cut on its own (rows of the task's
+  scratch, :func:`_forward_visible_tile`). bfloat16 and
   float32 run its two GEMMs on torch's brgemm (:func:`.gemm.brgemm`) with K (and bfloat16 V) packed once per call
   (:func:`_pack_kv_kernel`); plain tiles fuse the scale into the exp sweep (max, exp, rounding of P and the
   row sum in two sweeps of the row).
@@ -101,7 +103,7 @@ _FLT_MAX = np.float32(-MASKED_LOGIT)
 _BQ = 256  # query rows of a tile
 _BK = 256  # key columns of a tile
 _FWD_BK = 512  # key columns of a forward tile (fewer online-softmax rescales of the accumulator)
-_EDGE_ROWS = 64  # query rows of the backward's tiles across the visible region's edge
+_EDGE_ROWS = 64  # query rows of the tiles across the visible region's edge (forward and backward)
 _TARGET_TASKS = 8  # the backward splits keys into chunks until B*N2*chunks reaches this (when it can)
 _OUTSIDE, _INSIDE, _PARTIAL = 0, 1, 2
 
@@ -549,15 +551,13 @@ def _pack_kv_kernel(k, v, kt, vt):
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
 def _forward_block(ops, plan, b, n, i0, rows, allow_skip, work):
     """Query rows [i0, i0 + rows) of (b, n) over all key blocks, into work.acc / m / l; returns True when a tile
-    outside the visible region was skipped (``allow_skip``).
-
-    ``ops.packed``: the two GEMMs of a tile run on the brgemm (bfloat16: tiles with an even column count), the
-    others on MKL."""
-    q, k, v = ops.q, ops.k, ops.v
-    s, p, acc = work.s, work.p, work.acc
-    n2 = n // (q.shape[1] // k.shape[1])
-    D, Skv, Dv = q.shape[3], k.shape[2], v.shape[3]
-    BK = s.shape[1]
+    outside the visible region was skipped (``allow_skip``). With ``allow_skip`` a tile across the visible
+    region's edge (the causal diagonal) runs as tiles of _EDGE_ROWS rows, each cut to its visible columns."""
+    k = ops.k
+    acc = work.acc
+    n2 = n // (ops.q.shape[1] // k.shape[1])
+    Skv = k.shape[2]
+    BK = work.s.shape[1]
     work.m[:] = -np.inf
     work.l[:] = 0.0
     skipped = False
@@ -575,23 +575,52 @@ def _forward_block(ops, plan, b, n, i0, rows, allow_skip, work):
         if cols == 0 or (kind == _OUTSIDE and allow_skip):
             skipped = True
             continue
-        on_brgemm = ops.packed and (block % 2 == 0 or not _pairs(q))
-        if on_brgemm:
-            kt = (row_address(ops.kt, b, n2, j0 // BK), block)
-            brgemm(q, rows, cols, D, _matrix(q, b, n, i0), kt, _scratch(s), False)
-        else:
-            gemm(q, NO_TRANS, TRANS, rows, cols, D, _matrix(q, b, n, i0), _matrix(k, b, n2, j0), _scratch(s), False)
-        if ops.rope:
-            _add_rope_scores(ops, Tile(b, n, i0, rows, j0, cols), n2, s)
-        general = plan.has_mask or kind != _INSIDE
-        _forward_tile(work, Tile(b, n, i0, rows, j0, cols), general, plan)
-        if on_brgemm:
-            vp = _rows_operand(v, b, n2, j0, row_address(ops.vt, b, n2, j0 // BK))
-            brgemm(q, rows, Dv, cols, _scratch(p), vp, _scratch(acc), not first)
-        else:
-            gemm(q, NO_TRANS, NO_TRANS, rows, Dv, cols, _scratch(p), _matrix(v, b, n2, j0), _scratch(acc), not first)
-        first = False
+        if kind != _PARTIAL or not allow_skip or rows <= _EDGE_ROWS:
+            _forward_visible_tile(ops, plan, work, Tile(b, n, i0, rows, j0, cols), n2, block, kind, first)
+            first = False
+            continue
+        if first:  # the edge tiles may leave rows of acc unwritten
+            acc[:rows] = 0.0
+            first = False
+        for g0 in range(0, rows, _EDGE_ROWS):
+            part = min(_EDGE_ROWS, rows - g0)
+            part_cols = _visible_cols(i0 + g0, part, j0, block, plan.nxt, plan.prefix[b])
+            part_kind = _tile_kind(i0 + g0, part, j0, part_cols, plan.pre, plan.nxt, plan.prefix[b])
+            if part_cols == 0 or part_kind == _OUTSIDE:
+                continue
+            part_work = ForwardScratch(work.s[g0:], work.p[g0:], acc[g0:], work.m[g0:], work.l[g0:])
+            _forward_visible_tile(ops, plan, part_work, Tile(b, n, i0 + g0, part, j0, part_cols), n2, block,
+                                  part_kind, False)
     return skipped
+
+
+@njit(inline="always")
+def _forward_visible_tile(ops, plan, work, tile, n2, block, kind, first):
+    """One tile of :func:`_forward_block` (rows from work's first, ``block``: the key block's width): S = QK^T
+    (+ the rope part), the online-softmax update, acc (+)= P V (``first``: overwrite acc).
+
+    ``ops.packed``: the two GEMMs run on the brgemm (bfloat16: key blocks with an even column count), the others
+    on MKL."""
+    q, v = ops.q, ops.v
+    b, n, i0, rows, j0, cols = tile
+    s, p, acc = work.s, work.p, work.acc
+    BK = s.shape[1]
+    on_brgemm = ops.packed and (block % 2 == 0 or not _pairs(q))
+    if on_brgemm:
+        kt = (row_address(ops.kt, b, n2, j0 // BK), block)
+        brgemm(q, rows, cols, q.shape[3], _matrix(q, b, n, i0), kt, _scratch(s), False)
+    else:
+        gemm(q, NO_TRANS, TRANS, rows, cols, q.shape[3], _matrix(q, b, n, i0), _matrix(ops.k, b, n2, j0), _scratch(s),
+             False)
+    if ops.rope:
+        _add_rope_scores(ops, tile, n2, s)
+    _forward_tile(work, tile, plan.has_mask or kind != _INSIDE, plan)
+    Dv = v.shape[3]
+    if on_brgemm:
+        vp = _rows_operand(v, b, n2, j0, row_address(ops.vt, b, n2, j0 // BK))
+        brgemm(q, rows, Dv, cols, _scratch(p), vp, _scratch(acc), not first)
+    else:
+        gemm(q, NO_TRANS, NO_TRANS, rows, Dv, cols, _scratch(p), _matrix(v, b, n2, j0), _scratch(acc), not first)
 
 
 @njit(inline="always")
