@@ -287,9 +287,9 @@ def _add_pse(s, r, tile, plan):
     bp = b if pse.shape[0] > 1 else 0
     if kind >= _PSE_ALIBI:
         slope = widen(pse[bp, n, 0, 0])
-        d0 = j0 - i + plan.shift
+        d0 = np.float32(j0 - i + plan.shift)  # float32 sums of integers: exact below 2^24, and they vectorise
         for c in range(cols):
-            dist = np.float32(abs(d0 + c))
+            dist = abs(d0 + np.float32(np.int32(c)))
             if kind == _PSE_ALIBI_SQRT:
                 dist = np.sqrt(dist)
             s[r, c] = s[r, c] * scale - slope * dist
@@ -298,13 +298,14 @@ def _add_pse(s, r, tile, plan):
     if kind == _PSE_COMPRESSED:
         row, off = _compressed_source(i, plan.sq, pse.shape[2], pse.shape[3])
     first = plan.pse_first
+    source = row_view(pse, bp, n, row)  # a C row: the loops vectorise (indexing the 'A'-typed pse did not)
     if kind == _PSE_DENSE:
         for c in range(cols):
-            x = widen(pse[bp, n, row, j0 + c])
+            x = widen(source[j0 + c])
             s[r, c] = (s[r, c] + x) * scale if first else s[r, c] * scale + x
         return
     for c in range(cols):
-        x = widen(pse[bp, n, row, min(max(j0 + c + off, 0), last)])
+        x = widen(source[min(max(j0 + c + off, 0), last)])
         s[r, c] = (s[r, c] + x) * scale if first else s[r, c] * scale + x
 
 
@@ -336,8 +337,9 @@ def _modify_scores(s, r, tile, general, plan):
         mask = plan.mask
         bm = b if mask.shape[0] > 1 else 0
         nm = n if mask.shape[1] > 1 else 0
+        excluded = row_view(mask, bm, nm, i)
         for c in range(cols):
-            if mask[bm, nm, i, j0 + c] != 0:
+            if excluded[j0 + c] != 0:
                 s[r, c] = _NEG
 
 
