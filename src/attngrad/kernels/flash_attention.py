@@ -638,7 +638,9 @@ def _add_rope_scores(ops, tile, n2, s):
 
 @njit(**_KERNEL)
 def _forward_kernel(ops, plan, out, smax, ssum):
-    """out ``[B, N1, Sq, Dv]``, smax / ssum ``[B, N1, Sq]`` fp32 (written in place); tasks (b, n1, query block)."""
+    """out ``[B, N1, Sq, Dv]``, smax / ssum ``[B, N1, Sq]`` fp32 (written in place); tasks (b, n1, query block),
+    the last query block of a head first: under a causal mask the blocks grow with the row, so the tasks handed
+    out last are small ones and the threads finish together."""
     q = ops.q
     B, N1, Sq, _ = q.shape
     Dv = ops.v.shape[3]
@@ -646,7 +648,7 @@ def _forward_kernel(ops, plan, out, smax, ssum):
     for task in prange(B * N1 * nqb):
         b = task // (N1 * nqb)
         n = (task // nqb) % N1
-        i0 = (task % nqb) * _BQ
+        i0 = (nqb - 1 - task % nqb) * _BQ
         rows = min(_BQ, Sq - i0)
         work = ForwardScratch(aligned_empty((_BQ, _FWD_BK), np.float32), aligned_empty((_BQ, _FWD_BK), q.dtype),
                               aligned_empty((_BQ, Dv), np.float32), aligned_empty((_BQ,), np.float32),
