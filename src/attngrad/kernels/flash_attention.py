@@ -269,6 +269,14 @@ def _compressed_source(i, sq, h, skv):
     return row, skv - i - h + row
 
 
+@njit(inline="always")
+def _row_part(a, b, n, i, j0, count):
+    """``a[b, n, i, j0:j0 + count]`` of a 4-D array with unit-stride rows, as a C array indexed from 0. A loop over
+    it vectorises, where an index ``j0 + c`` (sign unknown to the compiler) takes numba's negative-index
+    wraparound per element and stays scalar."""
+    return array_at(row_address(a, b, n, i) + j0 * a.itemsize, count, a.dtype)
+
+
 @njit(inline="always", fastmath=FASTMATH)
 def _add_pse(s, r, tile, plan):
     """Row r of the tile: raw QK^T -> ``QK^T * scale`` with the pse term of pse_type 0-3, in place.
@@ -298,12 +306,13 @@ def _add_pse(s, r, tile, plan):
     if kind == _PSE_COMPRESSED:
         row, off = _compressed_source(i, plan.sq, pse.shape[2], pse.shape[3])
     first = plan.pse_first
-    source = row_view(pse, bp, n, row)  # a C row: the loops vectorise (indexing the 'A'-typed pse did not)
     if kind == _PSE_DENSE:
+        source = _row_part(pse, bp, n, row, j0, cols)
         for c in range(cols):
-            x = widen(source[j0 + c])
+            x = widen(source[c])
             s[r, c] = (s[r, c] + x) * scale if first else s[r, c] * scale + x
         return
+    source = row_view(pse, bp, n, row)
     for c in range(cols):
         x = widen(source[min(max(j0 + c + off, 0), last)])
         s[r, c] = (s[r, c] + x) * scale if first else s[r, c] * scale + x
@@ -337,9 +346,9 @@ def _modify_scores(s, r, tile, general, plan):
         mask = plan.mask
         bm = b if mask.shape[0] > 1 else 0
         nm = n if mask.shape[1] > 1 else 0
-        excluded = row_view(mask, bm, nm, i)
+        excluded = _row_part(mask, bm, nm, i, j0, cols)
         for c in range(cols):
-            if excluded[j0 + c] != 0:
+            if excluded[c] != 0:
                 s[r, c] = _NEG
 
 
@@ -746,9 +755,9 @@ def _add_dpse_row(s, r, tile, plan, dpse):
         for c in range(max(min(cols, i - j0 + 1), 0)):
             out[j0 + c + off] += s[r, c] * factor
         return
-    out = row_view(dpse, bp, n, i if dpse.shape[2] > 1 else 0)
+    out = _row_part(dpse, bp, n, i if dpse.shape[2] > 1 else 0, j0, cols)
     for c in range(cols):  # widen/narrow: identity on an fp32 accumulator; rounding on a direct output
-        out[j0 + c] = narrow(widen(out[j0 + c]) + s[r, c] * factor, dpse)
+        out[c] = narrow(widen(out[c]) + s[r, c] * factor, dpse)
 
 
 @njit(inline="always")
