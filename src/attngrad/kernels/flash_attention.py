@@ -1126,9 +1126,9 @@ def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=
 
     out / softmax_max / softmax_sum: optional preallocated outputs of those shapes and dtypes (any strides,
     e.g. views into TND tensors), written in place and returned. q, k, v (and the rope parts) are read from
-    contiguous copies unless they are contiguous: every query tile reads all of K and V, and MKL's operand
-    packing from TND rows (a row stride of N * D elements, a power of two) made the varlen forward 4-10% slower
-    than on copies (docs/performance.md). Fully masked rows:
+    contiguous copies unless they are contiguous: every query tile reads all of K and V, and MKL packs its
+    operands from TND rows (a row stride of N * D elements, a power of two) more slowly than from copies
+    (docs/performance.md, 'Flash attention: varlen and launch costs'). Fully masked rows:
     max = -FLT_MAX and sum = Skv (uniform P over all keys), or with ``plan.invalid_rows`` out = 0,
     max = -FLT_MAX, sum = +FLT_MAX (see docs/cann-semantics.md, 'Fully masked rows').
     """
