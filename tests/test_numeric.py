@@ -9,6 +9,8 @@
 * ``exp2_nonpositive``: exp2_32's bits for float32 results, the degree-4 bound for bfloat16/float16 ones, and
   exact 1, 0 and nan;
 * ``narrow_ftz`` equals ``narrow`` except that bfloat16 results below 2**-126 may flush to zero;
+  ``narrow_finite`` equals ``narrow`` on every value but nan, ``narrow_fast`` on every value but nan and (where
+  ``narrow_ftz`` flushes) subnormals;
 * ``fmaximum`` propagates nan (the reduction the softmax kernel relies on); ``fmax_any_nan`` finds the max;
 * ``prefetch`` compiles to a hint that changes nothing;
 * ``copy_row`` copies exactly the requested bytes, streamed or not, at every alignment of both ends.
@@ -25,7 +27,7 @@ from numba import njit
 
 from attngrad.kernels.numeric import (FASTMATH, HAS_AVX512_BF16, NO_POSITIVE, STREAM_MIN_BYTES, _f16_to_f32,
                                       _f32_to_f16, aligned_empty, copy_row, exp2_32, exp2_nonpositive, exp32,
-                                      exp_for, fmax_any_nan, fmaximum, narrow, narrow_ftz, prefetch, smallest_positive,
+                                      exp_for, fmax_any_nan, fmaximum, narrow, narrow_fast, narrow_finite, narrow_ftz, prefetch, smallest_positive,
                                       stream_fence, streams, track_smallest_positive, widen)
 from attngrad.kernels.tensor_view import kernel_view
 
@@ -91,6 +93,12 @@ def _exp_like_all(v, like, nonpositive):
 def _narrow_ftz_all(v, like):
     for i in range(v.size):
         like[i] = narrow_ftz(v[i], like)
+
+
+@njit
+def _narrow_finite_all(v, like, fast):
+    for i in range(v.size):
+        like[i] = narrow_fast(v[i], like) if fast else narrow_finite(v[i], like)
 
 
 @njit
@@ -276,6 +284,20 @@ def test_narrow_ftz_is_narrow_above_the_smallest_normal(dtype):
         assert (fast[tiny] == 0).all()
     else:
         assert_same_floats(fast[tiny], exact[tiny])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("fast", [False, True])
+def test_narrow_finite_and_fast_are_narrow_off_nans(dtype, fast):
+    v = narrow_inputs()
+    exact, got = torch.empty(v.shape, dtype=dtype), torch.empty(v.shape, dtype=dtype)
+    _narrow_all(v.numpy(), kernel_view(exact))
+    _narrow_finite_all(v.numpy(), kernel_view(got), fast)
+    kept = ~v.isnan()
+    if fast and dtype == torch.bfloat16 and HAS_AVX512_BF16:
+        kept &= v.abs() >= 2**-126
+    assert kept.sum() > v.numel() * 0.9
+    assert_same_floats(got[kept], exact[kept])
 
 
 def test_fmaximum_reduction_propagates_nan_and_finds_the_max():

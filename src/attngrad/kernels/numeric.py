@@ -328,27 +328,34 @@ def _f16_to_f32(h):
     return bits_f32(f32_bits(mag) | sign)
 
 
-@intrinsic
-def _f32_to_bf16(typingctx, v):
-    """float32 -> bfloat16 bits (uint16), round half to even; nan -> its quiet nan (sign and top payload kept).
+def _bf16_rounding(keep_nan: bool):
+    """Intrinsic float32 -> bfloat16 bits (uint16), round half to even, written in LLVM IR so that every step stays
+    in 32-bit lanes (numba widens uint32 arithmetic to 64 bits, which halves the vector width of the kernels'
+    output loops). ``keep_nan``: a nan gives its quiet nan (sign and top payload kept); without it the rounding
+    carry may turn a nan into an inf or a zero, and the loop is four vector operations shorter."""
 
-    Written in LLVM IR so that every step stays in 32-bit lanes (numba widens uint32 arithmetic to 64 bits,
-    which halves the vector width of the kernels' output loops).
-    """
-    if v != types.float32:
-        return None
+    def typer(typingctx, v):
+        if v != types.float32:
+            return None
 
-    def codegen(context, builder, sig, args):
-        i32 = ir.IntType(32)
-        c = lambda value: ir.Constant(i32, value)  # noqa: E731
-        u = builder.bitcast(args[0], i32)
-        high = builder.lshr(u, c(16))
-        rounded = builder.lshr(builder.add(builder.add(u, c(0x7FFF)), builder.and_(high, c(1))), c(16))
-        is_nan = builder.icmp_unsigned(">", builder.and_(u, c(0x7FFFFFFF)), c(0x7F800000))
-        bits = builder.select(is_nan, builder.or_(high, c(0x40)), rounded)
-        return builder.trunc(bits, ir.IntType(16))
+        def codegen(context, builder, sig, args):
+            i32 = ir.IntType(32)
+            c = lambda value: ir.Constant(i32, value)  # noqa: E731
+            u = builder.bitcast(args[0], i32)
+            high = builder.lshr(u, c(16))
+            bits = builder.lshr(builder.add(builder.add(u, c(0x7FFF)), builder.and_(high, c(1))), c(16))
+            if keep_nan:
+                is_nan = builder.icmp_unsigned(">", builder.and_(u, c(0x7FFFFFFF)), c(0x7F800000))
+                bits = builder.select(is_nan, builder.or_(high, c(0x40)), bits)
+            return builder.trunc(bits, ir.IntType(16))
 
-    return types.uint16(v), codegen
+        return types.uint16(v), codegen
+
+    return intrinsic(typer)
+
+
+_f32_to_bf16 = _bf16_rounding(keep_nan=True)
+_f32_to_bf16_finite = _bf16_rounding(keep_nan=False)
 
 
 @intrinsic
@@ -439,6 +446,48 @@ def narrow_ftz_flushes(like):  # pragma: no cover - compiled through the overloa
 def _narrow_ftz_flushes_impl(like):
     flushes = _flushes(like)
     return lambda like: flushes
+
+
+def narrow_finite(v, like):  # pragma: no cover
+    """float32 -> the element type of ``like``: ``narrow``'s bits for every value but nan (bfloat16 skips the nan
+    test, four of its nine vector operations; a nan may come out as an inf or a zero). For values known to hold no
+    nan."""
+    raise NotImplementedError
+
+
+@overload(narrow_finite)
+def _narrow_finite_impl(v, like):
+    if like.dtype == types.uint16:
+        return lambda v, like: _f32_to_bf16_finite(np.float32(v))
+    return lambda v, like: narrow(v, like)
+
+
+def track_nan(acc, v, like):  # pragma: no cover - compiled through the overload below
+    """The check that lets a row be rounded by :func:`narrow_finite`: ``acc + v`` (start from 0) where it skips
+    the nan test (bfloat16), else ``acc`` unchanged (no work). A nan among the values makes the sum a nan (so may
+    inf - inf: a false alarm only costs an exact rounding)."""
+    raise NotImplementedError
+
+
+@overload(track_nan, inline="always")
+def _track_nan_impl(acc, v, like):
+    if like.dtype == types.uint16:
+        return lambda acc, v, like: acc + v
+    return lambda acc, v, like: acc
+
+
+def narrow_fast(v, like):  # pragma: no cover
+    """float32 -> the element type of ``like`` by the cheapest rounding: ``narrow_ftz`` where it flushes
+    (AVX512-BF16), else ``narrow_finite``. ``narrow``'s bits for every value that is neither a nan nor, where
+    ``narrow_ftz`` flushes, a float32 subnormal (:func:`narrow_ftz_exact`)."""
+    raise NotImplementedError
+
+
+@overload(narrow_fast)
+def _narrow_fast_impl(v, like):
+    if _flushes(like):
+        return lambda v, like: narrow_ftz(v, like)
+    return lambda v, like: narrow_finite(v, like)
 
 
 NO_POSITIVE = np.uint32(0xFFFFFFFF)  # start of a :func:`track_smallest_positive` reduction

@@ -23,9 +23,12 @@ written once:
   (:func:`_forward_block`); float32 rows in two halves, bf16/fp16 rows (half as long, compute-bound) at once;
 * the bf16/fp16 forward is compute-bound, so its row loop is kept short: ``exp2_nonpositive`` (no overflow
   clamp; a degree-4 polynomial for bf16/fp16 outputs), a one-``vmaxps`` row max (``numeric.fmax_any_nan``),
-  the fp16 scaling as one float16 multiply, and bf16 rounding by the one-instruction ``narrow_ftz`` when no
-  output of the row is a float32 subnormal (the only values where it differs from the exact rounding; the exp
-  loop tracks the row's smallest positive exp for that test, two integer operations per vector).
+  the fp16 scaling as one float16 multiply, and bf16 rounding by ``narrow_fast`` (the one-instruction
+  ``narrow_ftz`` with AVX512-BF16, else the integer rounding without its nan test) when it is exact for the
+  row: no output is a nan (a row of nans has a nan sum) and, with ``narrow_ftz``, none is a float32 subnormal
+  (the exp loop tracks the row's smallest positive exp for that test, two integer operations per vector);
+* the backward rounds bf16 by ``narrow_finite`` and sums each output row on the way (one add per vector,
+  ``numeric.track_nan``): a nan sum sends the row through the exact rounding again.
 
 Measurements behind these choices: docs/performance.md, 'Kernel measurements'.
 """
@@ -39,8 +42,8 @@ from numba.extending import intrinsic, overload
 
 from .layouts import strided_layout
 from .numeric import (FASTMATH, LOG2E, NO_POSITIVE, aligned_empty, array_at, copy_row, exp2_nonpositive, fmax_any_nan,
-                      narrow, narrow_ftz, narrow_ftz_exact, prefer_512_bit_vectors, prefetch_bytes, row_address,
-                      row_view, stream_fence, track_flushable, widen)
+                      narrow, narrow_fast, narrow_finite, narrow_ftz_exact, prefer_512_bit_vectors, prefetch_bytes, row_address,
+                      row_view, stream_fence, track_flushable, track_nan, widen)
 from .threads import on_torch_threads
 
 MASK_VALUE = np.float32(-10000.0)  # CANN fills masked logits with -10000, not -inf
@@ -206,23 +209,22 @@ def _prefetch_columns(x, mask, row, valid, j0, j1):
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _round_row(bufs, k, inv, out, y, all_normal):
-    """out = bufs[k] * inv rounded to y's element type (by ``narrow_ftz`` when ``all_normal``:
-    :func:`.numeric.narrow_ftz_exact`)."""
-    if all_normal:
+def _round_row(bufs, k, inv, out, y, fast):
+    """out = bufs[k] * inv rounded to y's element type (by ``narrow_fast`` when ``fast``: :func:`_fast_exact`)."""
+    if fast:
         for j in range(out.size):
-            out[j] = narrow_ftz(bufs[k, j] * inv, y)
+            out[j] = narrow_fast(bufs[k, j] * inv, y)
     else:
         for j in range(out.size):
             out[j] = narrow(bufs[k, j] * inv, y)
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _pipelined_row(xr, mr, scale, round_scaled, bufs, stages, top, inv, out, y, all_normal):
-    """:func:`_pipelined_loop` rounding by ``narrow_ftz`` when ``all_normal`` (:func:`.numeric.narrow_ftz_exact`),
-    else by ``narrow``: the loop is compiled once per rounding."""
-    if all_normal:
-        return _pipelined_loop(narrow_ftz, xr, mr, scale, round_scaled, bufs, stages, top, inv, out, y)
+def _pipelined_row(xr, mr, scale, round_scaled, bufs, stages, top, inv, out, y, fast):
+    """:func:`_pipelined_loop` rounding by ``narrow_fast`` when ``fast`` (:func:`_fast_exact`), else by ``narrow``:
+    the loop is compiled once per rounding."""
+    if fast:
+        return _pipelined_loop(narrow_fast, xr, mr, scale, round_scaled, bufs, stages, top, inv, out, y)
     return _pipelined_loop(narrow, xr, mr, scale, round_scaled, bufs, stages, top, inv, out, y)
 
 
@@ -249,6 +251,14 @@ def _pipelined_loop(rounding, xr, mr, scale, round_scaled, bufs, stages, top, in
     return total, top_next, tiny
 
 
+@njit(inline="always")
+def _fast_exact(tiny, inv):
+    """Whether ``narrow_fast(e * inv)`` gives ``narrow``'s bits for every exp e of a row (``tiny``: their
+    :func:`.numeric.track_flushable`, ``inv``: 1 / their sum). A nan logit, a +inf one or a row of -inf ones make
+    the sum a nan; otherwise every e lies in [0, 1] and the sum is at least 1, so no output is a nan."""
+    return inv == inv and narrow_ftz_exact(tiny, inv)
+
+
 @njit(inline="always", fastmath=FASTMATH)
 def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scratch, stream):
     """Softmax of rows [first, last): three fp32 row buffers ``bufs[0..2]`` rotate (loaded, exponentiated,
@@ -266,7 +276,7 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
     xr, mr = _logit_rows(x, mask, _row_of(b1, n1, s1, mask), scratch)
     top_next = _load_row(xr, mr, scale, round_scaled, bufs, 0)
     inv = np.float32(0.0)
-    all_normal = True
+    fast = True
     for r in range(first, last):
         cur, nxt, prv = (r - first) % 3, (r - first + 1) % 3, (r - first + 2) % 3
         top = top_next
@@ -279,13 +289,13 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
             _prefetch_columns(x, mask, row_after, r + 2 < last, 0, split)
             xr, mr = _logit_rows(x, mask, row_nxt, scratch)
             total, top_next, tiny = _pipelined_row(xr, mr, scale, round_scaled, bufs, (cur, nxt, prv), top, inv,
-                                                   out, y, all_normal)
+                                                   out, y, fast)
             if split < S2:
                 _prefetch_columns(x, mask, row_after, r + 2 < last, split, S2)
         else:  # first and last row of the block: the three stages one after the other
             _prefetch_columns(x, mask, row_after, r + 2 < last, 0, S2)
             if r > first:
-                _round_row(bufs, prv, inv, out, y, all_normal)
+                _round_row(bufs, prv, inv, out, y, fast)
             if r + 1 < last:
                 xr, mr = _logit_rows(x, mask, row_nxt, scratch)
                 top_next = _load_row(xr, mr, scale, round_scaled, bufs, nxt)
@@ -293,12 +303,12 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
         if r > first:
             _put_row(y, y_address, _row_of(b0, n0, s0, mask), out, out_address, stream)
         inv = np.float32(1.0) / total
-        all_normal = narrow_ftz_exact(tiny, inv)
+        fast = _fast_exact(tiny, inv)
         b0, n0, s0 = b1, n1, s1
         b1, n1, s1 = b2, n2, s2
         b2, n2, s2 = b3, n3, s3
         b3, n3, s3 = _next_row(b3, n3, s3, N, S1)
-    _round_row(bufs, (last - 1 - first) % 3, inv, out, y, all_normal)
+    _round_row(bufs, (last - 1 - first) % 3, inv, out, y, fast)
     _put_row(y, y_address, _row_of(b0, n0, s0, mask), out, out_address, stream)
 
 
@@ -350,7 +360,8 @@ def _grad(gr, yr, mr, j, acc, scale):
 @njit(inline="always", fastmath=FASTMATH)
 def _backward_block(grad_output, y, mask, scale, out, first, last, row_out, scratch, stream):
     """Gradient of rows [first, last): the row sum of row r + 1 is taken while row r is rounded into
-    ``row_out``, then copied to out (:func:`_put_row`). The inputs are read through row views (:func:`_row_view`,
+    ``row_out`` (by ``narrow_finite``, again by ``narrow`` when the row's sum of gradients is a nan), then copied
+    to out (:func:`_put_row`). The inputs are read through row views (:func:`_row_view`,
     ``scratch``: five :func:`_scratch_rows`, the mask's in slot 4)."""
     N, S1, S2 = grad_output.shape[1], grad_output.shape[2], grad_output.shape[3]
     out_address, row_out_address = out.ctypes.data, row_out.ctypes.data
@@ -362,16 +373,25 @@ def _backward_block(grad_output, y, mask, scale, out, first, last, row_out, scra
         row = _row_of(b, n, s, mask)
         mr = _row_view(mask, row[3], row[4], s, _slot(scratch, 4))
         b1, n1, s1 = _next_row(b, n, s, N, S1)
+        probe = np.float32(0.0)
         if r + 1 < last:
             gr1, yr1 = _gradient_rows(grad_output, y, b1, n1, s1, scratch, (r + 1 - first) % 2)
             acc_next = np.float32(0.0)
             for j in range(S2):
                 acc_next += widen(gr1[j]) * widen(yr1[j])
-                row_out[j] = narrow(_grad(gr, yr, mr, j, acc, scale), out)
-            gr, yr = gr1, yr1
+                g = _grad(gr, yr, mr, j, acc, scale)
+                probe = track_nan(probe, g, out)
+                row_out[j] = narrow_finite(g, out)
         else:
             for j in range(S2):
+                g = _grad(gr, yr, mr, j, acc, scale)
+                probe = track_nan(probe, g, out)
+                row_out[j] = narrow_finite(g, out)
+        if probe != probe:  # a nan among the bf16 gradients (or inf - inf in their sum): round the row exactly
+            for j in range(S2):
                 row_out[j] = narrow(_grad(gr, yr, mr, j, acc, scale), out)
+        if r + 1 < last:
+            gr, yr = gr1, yr1
         _put_row(out, out_address, row, row_out, row_out_address, stream)
         b, n, s = b1, n1, s1
 
