@@ -94,7 +94,7 @@ from .gemm_paths import CALIBRATED_DTYPES, WIDENED, gemm_path
 from .gemm import BRGEMM_DTYPES, NO_TRANS, TRANS, brgemm, brgemm_release, gemm
 from .layouts import launch_strided
 from .numeric import (FASTMATH, LOG2E, aligned_empty, array_at, exp2_32, exp32, fmaximum, narrow, narrow_ftz,
-                      prefer_512_bit_vectors, row_address, row_view, widen)
+                      prefer_512_bit_vectors, prefetch_bytes, row_address, row_view, widen)
 from .tensor_view import kernel_view, new_output
 from .threads import on_torch_threads
 
@@ -104,6 +104,7 @@ _BQ = 256  # query rows of a tile
 _BK = 256  # key columns of a tile
 _FWD_BK = 512  # key columns of a forward tile (fewer online-softmax rescales of the accumulator)
 _EDGE_ROWS = 64  # query rows of the tiles across the visible region's edge (forward and backward)
+_PSE_AHEAD = 2  # a dense pse row is prefetched this many rows ahead of its use
 _TARGET_TASKS = 8  # the backward splits keys into chunks until B*N2*chunks reaches this (when it can)
 _OUTSIDE, _INSIDE, _PARTIAL = 0, 1, 2
 
@@ -307,6 +308,8 @@ def _add_pse(s, r, tile, plan):
         row, off = _compressed_source(i, plan.sq, pse.shape[2], pse.shape[3])
     first = plan.pse_first
     if kind == _PSE_DENSE:
+        if _PSE_AHEAD < pse.shape[2] - row:  # each pse row is a new page, where the hardware prefetchers stop
+            prefetch_bytes(row_address(pse, bp, n, row + _PSE_AHEAD) + j0 * pse.itemsize, cols * pse.itemsize)
         source = _row_part(pse, bp, n, row, j0, cols)
         for c in range(cols):
             x = widen(source[c])
