@@ -104,7 +104,7 @@ _BQ = 256  # query rows of a tile
 _BK = 256  # key columns of a tile
 _FWD_BK = 512  # key columns of a forward tile (fewer online-softmax rescales of the accumulator)
 _EDGE_ROWS = 64  # query rows of the tiles across the visible region's edge (forward and backward)
-_PSE_AHEAD = 2  # a dense pse row is prefetched this many rows ahead of its use
+_ROWS_AHEAD = 2  # a dense pse or atten_mask row is prefetched this many rows ahead of its use
 _TARGET_TASKS = 8  # the backward splits keys into chunks until B*N2*chunks reaches this (when it can)
 _OUTSIDE, _INSIDE, _PARTIAL = 0, 1, 2
 
@@ -278,6 +278,15 @@ def _row_part(a, b, n, i, j0, count):
     return array_at(row_address(a, b, n, i) + j0 * a.itemsize, count, a.dtype)
 
 
+@njit(inline="always")
+def _prefetch_row_part(a, b, n, i, j0, count):
+    """Start loading the :func:`_row_part` of row ``i + _ROWS_AHEAD`` (when a has it). A row of a dense pse or
+    atten_mask ``[.., Sq, Skv]`` is a page or more apart from the last one, and the hardware prefetchers stop at
+    each 4 KiB page, so without it each row of a tile starts with a cold stream."""
+    if _ROWS_AHEAD < a.shape[2] - i:
+        prefetch_bytes(row_address(a, b, n, i + _ROWS_AHEAD) + j0 * a.itemsize, count * a.itemsize)
+
+
 @njit(inline="always", fastmath=FASTMATH)
 def _add_pse(s, r, tile, plan):
     """Row r of the tile: raw QK^T -> ``QK^T * scale`` with the pse term of pse_type 0-3, in place.
@@ -308,8 +317,7 @@ def _add_pse(s, r, tile, plan):
         row, off = _compressed_source(i, plan.sq, pse.shape[2], pse.shape[3])
     first = plan.pse_first
     if kind == _PSE_DENSE:
-        if _PSE_AHEAD < pse.shape[2] - row:  # each pse row is a new page, where the hardware prefetchers stop
-            prefetch_bytes(row_address(pse, bp, n, row + _PSE_AHEAD) + j0 * pse.itemsize, cols * pse.itemsize)
+        _prefetch_row_part(pse, bp, n, row, j0, cols)
         source = _row_part(pse, bp, n, row, j0, cols)
         for c in range(cols):
             x = widen(source[c])
@@ -336,23 +344,37 @@ def _modify_scores(s, r, tile, general, plan):
     lo = min(max(i - plan.pre - j0, 0), cols)
     hi = max(min(i + plan.nxt - j0 + 1, cols), 0)
     pl = min(max(plan.prefix[b] - j0, 0), cols)
-    if plan.pse_kind == _PSE_NONE:  # scale and band in one sweep (the diagonal tiles of causal attention)
+    if plan.pse_kind == _PSE_NONE:
         scale = plan.scale
-        for c in range(cols):
-            s[r, c] = s[r, c] * scale if ((c >= lo) & (c < hi)) | (c < pl) else _NEG
-    else:
-        _add_pse(s, r, tile, plan)
-        for c in range(cols):
-            if not (((c >= lo) & (c < hi)) | (c < pl)):
-                s[r, c] = _NEG
+        if not plan.has_mask:  # scale and band in one sweep (the diagonal tiles of causal attention)
+            for c in range(cols):
+                s[r, c] = s[r, c] * scale if ((c >= lo) & (c < hi)) | (c < pl) else _NEG
+            return
+        excluded = _mask_row(plan, b, n, i, j0, cols)
+        for c in range(cols):  # scale, band and mask in one sweep
+            visible = (((c >= lo) & (c < hi)) | (c < pl)) & (excluded[c] == 0)
+            s[r, c] = s[r, c] * scale if visible else _NEG
+        return
+    _add_pse(s, r, tile, plan)
+    for c in range(cols):
+        if not (((c >= lo) & (c < hi)) | (c < pl)):
+            s[r, c] = _NEG
     if plan.has_mask:
-        mask = plan.mask
-        bm = b if mask.shape[0] > 1 else 0
-        nm = n if mask.shape[1] > 1 else 0
-        excluded = _row_part(mask, bm, nm, i, j0, cols)
+        excluded = _mask_row(plan, b, n, i, j0, cols)
         for c in range(cols):
             if excluded[c] != 0:
                 s[r, c] = _NEG
+
+
+@njit(inline="always")
+def _mask_row(plan, b, n, i, j0, cols):
+    """atten_mask row i of (b, n) (broadcast over B and N where it has one of them) at columns [j0, j0 + cols),
+    as a :func:`_row_part`; starts loading the row ``_ROWS_AHEAD`` further on."""
+    mask = plan.mask
+    bm = b if mask.shape[0] > 1 else 0
+    nm = n if mask.shape[1] > 1 else 0
+    _prefetch_row_part(mask, bm, nm, i, j0, cols)
+    return _row_part(mask, bm, nm, i, j0, cols)
 
 
 @njit(inline="always")
