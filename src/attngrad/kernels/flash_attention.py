@@ -94,7 +94,7 @@ from .gemm_paths import CALIBRATED_DTYPES, WIDENED, gemm_path
 from .gemm import BRGEMM_DTYPES, NO_TRANS, TRANS, brgemm, brgemm_release, gemm
 from .layouts import launch_strided
 from .numeric import (FASTMATH, LOG2E, aligned_empty, array_at, exp2_32, exp32, fmaximum, narrow, narrow_ftz,
-                      prefer_512_bit_vectors, prefetch_bytes, row_address, row_view, widen)
+                      prefer_512_bit_vectors, prefetch_bytes, row_address, row_view, unowned, widen)
 from .tensor_view import kernel_view, new_output
 from .threads import on_torch_threads
 
@@ -138,6 +138,17 @@ class KernelPlan(NamedTuple):
     probs_like: np.ndarray  # 1 element of the type P and dS are rounded to before their GEMMs (:func:`_operand`)
     sink: np.ndarray  # float32 [N1]: the sink logit of each head, read when has_sink
     has_sink: bool
+
+
+@njit(inline="always")
+def _unowned_plan(plan):
+    """``plan`` with :func:`.numeric.unowned` views of its arrays: the tile functions pass the plan to their row
+    helpers, which otherwise took an atomic reference count on each of its arrays per row (and the arrays are
+    shared by every thread)."""
+    return KernelPlan(unowned(plan.mask), unowned(plan.pse), unowned(plan.prefix), unowned(plan.drop), plan.pre,
+                      plan.nxt, plan.has_mask, plan.pse_kind, plan.pse_first, plan.shift, plan.dropout, plan.dpse,
+                      plan.invalid_rows, plan.n1, plan.sq, plan.skv, plan.scale, unowned(plan.keep_factors),
+                      unowned(plan.probs_like), unowned(plan.sink), plan.has_sink)
 
 
 class Tile(NamedTuple):
@@ -589,6 +600,7 @@ def _forward_block(ops, plan, b, n, i0, rows, allow_skip, work):
     """Query rows [i0, i0 + rows) of (b, n) over all key blocks, into work.acc / m / l; returns True when a tile
     outside the visible region was skipped (``allow_skip``). With ``allow_skip`` a tile across the visible
     region's edge (the causal diagonal) runs as tiles of _EDGE_ROWS rows, each cut to its visible columns."""
+    plan = _unowned_plan(plan)
     k = ops.k
     acc = work.acc
     n2 = n // (ops.q.shape[1] // k.shape[1])
@@ -897,6 +909,7 @@ def _backward_key_block(ops, plan, grads, work, b, n2, j0, chunk):
 
     ``ops.packed``: on torch's brgemm (:func:`_use_brgemm`; bfloat16: tiles with even rows and columns, VNNI
     pairs), MKL for the others."""
+    plan = _unowned_plan(plan)
     q, k = ops.q, ops.k
     N1, Sq = q.shape[1], q.shape[2]
     G = N1 // k.shape[1]

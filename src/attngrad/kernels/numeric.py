@@ -119,6 +119,14 @@ def array_at(address, n, dtype):
 
 
 @njit(inline="always")
+def unowned(a):
+    """``a`` as a view (same shape and strides) that holds no reference: numba counts none on it. Passing an array
+    to a helper inside a loop can take an atomic reference count per iteration, and one on an array every thread
+    reads bounces its count between the cores. The caller keeps ``a`` alive while the view is in use."""
+    return np.lib.stride_tricks.as_strided(array_at(a.ctypes.data, 1, a.dtype), shape=a.shape, strides=a.strides)
+
+
+@njit(inline="always")
 def aligned_empty(shape, dtype):
     """``np.empty(shape, dtype)`` whose data starts on a 64-byte boundary (a cache line, one AVX-512 register).
     numba's ``np.empty`` returns addresses 32 bytes past one, so that every 64-byte load or store of a scratch
