@@ -13,7 +13,8 @@
   ``narrow_ftz`` flushes) subnormals;
 * ``fmaximum`` propagates nan (the reduction the softmax kernel relies on); ``fmax_any_nan`` finds the max;
 * ``prefetch`` compiles to a hint that changes nothing;
-* ``copy_row`` copies exactly the requested bytes, streamed or not, at every alignment of both ends.
+* ``copy_row`` copies exactly the requested bytes, streamed or not, at every alignment of both ends;
+* ``unowned`` views an array with its shape and strides (reads and writes reach the array).
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from numba import njit
 
 from attngrad.kernels.numeric import (FASTMATH, HAS_AVX512_BF16, NO_POSITIVE, STREAM_MIN_BYTES, _f16_to_f32,
                                       _f32_to_f16, aligned_empty, copy_row, exp2_32, exp2_nonpositive, exp32,
-                                      exp_for, fmax_any_nan, fmaximum, narrow, narrow_fast, narrow_finite, narrow_ftz, prefetch, smallest_positive,
-                                      stream_fence, streams, track_smallest_positive, widen)
+                                      exp_for, fmax_any_nan, fmaximum, narrow, narrow_fast, narrow_finite, narrow_ftz,
+                                      prefetch, smallest_positive, stream_fence, streams, track_smallest_positive,
+                                      unowned, widen)
 from attngrad.kernels.tensor_view import kernel_view
 
 LOW_DTYPES = [torch.float16, torch.bfloat16]
@@ -389,3 +391,23 @@ def test_aligned_empty_starts_on_a_cache_line(dtype, shape):
         assert a.ctypes.data % 64 == 0
         a[...] = 7  # the whole array is writable memory of its own
         assert (a == 7).all()
+
+
+@njit
+def _through_unowned(a):
+    v = unowned(a)
+    total = 0.0
+    for i in range(v.shape[0]):
+        for j in range(v.shape[1]):
+            for k in range(v.shape[2]):
+                total += v[i, j, k]
+    v[1, 0, 2] = -1.0
+    return total, v.shape, v.strides
+
+
+def test_unowned_views_the_array_with_its_strides():
+    a = np.arange(2 * 6 * 5, dtype=np.float32).reshape(2, 6, 5)[:, ::2, 1:]
+    want = float(a.sum())
+    total, shape, strides = _through_unowned(a)
+    assert total == want and shape == a.shape and strides == a.strides
+    assert a[1, 0, 2] == -1.0

@@ -42,8 +42,8 @@ from numba.extending import intrinsic, overload
 
 from .layouts import strided_layout
 from .numeric import (FASTMATH, LOG2E, NO_POSITIVE, aligned_empty, array_at, copy_row, exp2_nonpositive, fmax_any_nan,
-                      narrow, narrow_fast, narrow_finite, narrow_ftz_exact, prefer_512_bit_vectors, prefetch_bytes, row_address,
-                      row_view, stream_fence, track_flushable, track_nan, widen)
+                      narrow, narrow_fast, narrow_finite, narrow_ftz_exact, prefer_512_bit_vectors, prefetch_bytes,
+                      row_address, row_view, stream_fence, track_flushable, track_nan, widen)
 from .threads import on_torch_threads
 
 MASK_VALUE = np.float32(-10000.0)  # CANN fills masked logits with -10000, not -inf
