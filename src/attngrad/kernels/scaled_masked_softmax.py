@@ -358,6 +358,15 @@ def _grad(gr, yr, mr, j, acc, scale):
 
 
 @njit(inline="always", fastmath=FASTMATH)
+def _put_grad(gr, yr, mr, j, acc, scale, row_out, probe):
+    """row_out[j] = the gradient at column j rounded by ``narrow_finite``; returns ``probe`` with it tracked
+    (:func:`.numeric.track_nan`)."""
+    g = _grad(gr, yr, mr, j, acc, scale)
+    row_out[j] = narrow_finite(g, row_out)
+    return track_nan(probe, g, row_out)
+
+
+@njit(inline="always", fastmath=FASTMATH)
 def _backward_block(grad_output, y, mask, scale, out, first, last, row_out, scratch, stream):
     """Gradient of rows [first, last): the row sum of row r + 1 is taken while row r is rounded into
     ``row_out`` (by ``narrow_finite``, again by ``narrow`` when the row's sum of gradients is a nan), then copied
@@ -379,14 +388,10 @@ def _backward_block(grad_output, y, mask, scale, out, first, last, row_out, scra
             acc_next = np.float32(0.0)
             for j in range(S2):
                 acc_next += widen(gr1[j]) * widen(yr1[j])
-                g = _grad(gr, yr, mr, j, acc, scale)
-                probe = track_nan(probe, g, out)
-                row_out[j] = narrow_finite(g, out)
+                probe = _put_grad(gr, yr, mr, j, acc, scale, row_out, probe)
         else:
             for j in range(S2):
-                g = _grad(gr, yr, mr, j, acc, scale)
-                probe = track_nan(probe, g, out)
-                row_out[j] = narrow_finite(g, out)
+                probe = _put_grad(gr, yr, mr, j, acc, scale, row_out, probe)
         if probe != probe:  # a nan among the bf16 gradients (or inf - inf in their sum): round the row exactly
             for j in range(S2):
                 row_out[j] = narrow(_grad(gr, yr, mr, j, acc, scale), out)
