@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from attngrad.kernels.flash_attention import (backward_chunks, flash_attention_backward,
-                                              flash_attention_forward)
+from attngrad.kernels.flash_attention import (Sequence, _backward_tasks, _forward_tasks, backward_chunks,
+                                              flash_attention_backward, flash_attention_forward)
 from attngrad.kernels.flash_attention_plan import FLT_MAX, MASKED_LOGIT, AttentionPlan
 from attngrad.kernels.flash_attention_reference import (flash_attention_backward_reference,
                                                         flash_attention_forward_reference)
@@ -204,3 +204,52 @@ def test_strided_views_and_preallocated_outputs_match_contiguous(dtype, n1, n2, 
     got = flash_attention_backward(sq_, sk, sv, sdy, *got, plan, dq=grads[0][0], dk=grads[1][0], dv=grads[2][0])
     for g, w, (view, buf) in zip(got[:3], want[:3], grads):
         assert g is view and _same(g, w, dtype) and _untouched(buf, view)
+
+
+def test_task_lists_cover_every_block_once_costliest_first():
+    """A launch's task lists (:func:`_forward_tasks`, :func:`_backward_tasks`): every query block / key chunk of
+    every sequence, batch and head exactly once; under a causal band the forward goes head by head (a head's
+    blocks consecutive, its last block first) from the longest sequence down, the backward chunk costs never rise."""
+    causal = AttentionPlan(scale=1.0, next_tokens=0)
+    sequences = [Sequence(0, 300, 0, 300, causal), Sequence(300, 1100, 300, 1100, causal),
+                 Sequence(1100, 1101, 1100, 1105, AttentionPlan(scale=1.0))]
+    tasks = _forward_tasks(sequences, 1, 2)
+    want = {(s, 0, n, i0) for s, seq in enumerate(sequences) for n in range(2) for i0 in range(0, seq.q1 - seq.q0, 256)}
+    assert sorted(map(tuple, tasks.tolist())) == sorted(want)
+    assert tasks[:, 0].tolist() == [1] * 8 + [0] * 4 + [2] * 2
+    assert tasks[:4, 3].tolist() == [768, 512, 256, 0] and tasks[:8, 2].tolist() == [0] * 4 + [1] * 4
+    splits = [(1, 4), (1, 2), (1, 1)]
+    tasks = _backward_tasks(sequences, splits, 2)
+    want = {(s, 0, n, c) for s, (_, chunks) in enumerate(splits) for n in range(2) for c in range(chunks)}
+    assert sorted(map(tuple, tasks.tolist())) == sorted(want)
+    assert tasks[0].tolist() == [1, 0, 0, 0]  # the first chunk of the longest causal sequence sees the most rows
+
+
+def test_one_launch_of_sequences_equals_each_alone_with_dpse():
+    """Sequences of one launch with different plans (a dense per-sequence pse written straight into its dpse, a
+    row-broadcast one summed in an fp32 accumulator: the launch then sums both in fp32) give each sequence's
+    results of a call of its own, dpse included, and leave the rows of no sequence alone."""
+    dtype, n1, d = torch.bfloat16, 2, 16
+    g = torch.Generator().manual_seed(5)
+    rows = [(0, 40, 0, 50), (45, 75, 55, 60)]  # rows 40-45 and 50-55 belong to no sequence
+    q, k, v, dy = (torch.randn(1, n1, 80, d, generator=g).to(dtype) for _ in range(4))
+    pses = [torch.randn(1, n1, 40, 50, generator=g).to(dtype), torch.randn(1, n1, 1, 5, generator=g).to(dtype)]
+    plans = [AttentionPlan(scale=0.3, pse_type=0, pse=pses[0], next_tokens=10), AttentionPlan(scale=0.3, pse=pses[1])]
+    sequences = [Sequence(*r, p) for r, p in zip(rows, plans)]
+    out, smax, ssum = (torch.full(shape, 7.0, dtype=t) for shape, t in (((1, n1, 80, d), dtype),
+                                                                         ((1, n1, 80), torch.float32),
+                                                                         ((1, n1, 80), torch.float32)))
+    flash_attention_forward(q, k, v, plans[0], out, smax, ssum, sequences=sequences)
+    grads = [torch.full(t.shape, 7.0, dtype=dtype) for t in (q, k, v)]
+    dq, dk, dv, dpse = flash_attention_backward(q, k, v, dy, out, smax, ssum, plans[0], True, *grads,
+                                                sequences=sequences)[:4]
+    for (q0, q1, k0, k1), plan, got_dpse in zip(rows, plans, dpse):
+        alone = flash_attention_forward(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], plan)
+        for got, want in zip((out[:, :, q0:q1], smax[:, :, q0:q1], ssum[:, :, q0:q1]), alone):
+            assert same_up_to_gemm_order(got, want, dtype)
+        want = flash_attention_backward(q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], dy[:, :, q0:q1], *alone, plan,
+                                        with_dpse=True)
+        for got, want_grad in zip((dq[:, :, q0:q1], dk[:, :, k0:k1], dv[:, :, k0:k1], got_dpse), want):
+            assert got.shape == want_grad.shape and same_up_to_gemm_order(got, want_grad, dtype)
+    assert (out[:, :, 40:45] == 7).all() and (smax[:, :, 75:] == 7).all() and (dq[:, :, 40:45] == 7).all()
+    assert (dk[:, :, 50:55] == 7).all() and (dv[:, :, 60:] == 7).all()

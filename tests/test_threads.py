@@ -9,12 +9,13 @@ import subprocess
 import sys
 
 import numba
+import numpy as np
 import pytest
 import torch
 
 import attngrad
 from attngrad.kernels import dropout, exp_segsum, flash_attention, gemm, scaled_masked_softmax
-from attngrad.kernels.threads import kernel_threads, on_torch_threads
+from attngrad.kernels.threads import claim, kernel_threads, on_torch_threads
 
 from helpers import torch_threads
 
@@ -71,19 +72,40 @@ def test_every_launch_point_follows_torch(launch):
 
 def test_flash_attention_tasks_run_on_torch_threads(monkeypatch):
     """The task-parallel kernels of a forward and a backward launched after torch.set_num_threads(1) see one
-    numba thread."""
+    numba thread and run one worker."""
     seen = []
-    dynamic = flash_attention._dynamic
+    launch = flash_attention.launch_strided
 
     def spy(kernel, *args, **kwargs):
-        seen.append(numba.get_num_threads())
-        dynamic(kernel, *args, **kwargs)
+        if kernel in (flash_attention._forward_kernel, flash_attention._backward_kernel):
+            seen.append((numba.get_num_threads(), args[-1]))
+        return launch(kernel, *args, **kwargs)
 
-    monkeypatch.setattr(flash_attention, "_dynamic", spy)
+    monkeypatch.setattr(flash_attention, "launch_strided", spy)
     q, k, v = (torch.randn(1, 64, 2, 32, requires_grad=True) for _ in range(3))
     with torch_threads(1):
         attngrad.flash_attn_func(q, k, v).sum().backward()
-    assert seen == [1, 1]
+    assert seen == [(1, 1), (1, 1)]
+
+
+@numba.njit(parallel=True)
+def _claim_all(tasks, workers, hits):
+    counter = np.zeros(1, np.int64)
+    for _ in numba.prange(workers):
+        t = claim(counter)
+        while t < tasks:
+            hits[t] += 1
+            t = claim(counter)
+    return counter[0]
+
+
+@pytest.mark.parametrize("workers", [1, 2, 5])
+def test_claim_hands_out_every_task_once(workers):
+    hits = np.zeros(100000, np.int64)
+    with torch_threads(2):
+        last = on_torch_threads(_claim_all)(hits.size, workers, hits)
+    assert last == hits.size + workers  # each worker's last claim found no task left
+    assert (hits == 1).all()
 
 
 def test_mkl_is_sequential():

@@ -38,6 +38,12 @@ forward pass on the widened inputs, ``Dr = rowsum(dy * out) = rowsum(P * dP)``, 
 
 Tiles and work split (both cores busy even for one head, results identical for any thread count):
 
+* a launch runs one or more sequences (:class:`Sequence`): a BNSD call is one, a varlen call one per batch, each
+  with its own rows of the S axes and its own plan (:class:`SequenceTable`, :func:`_sequence_plan`), so the
+  tasks of all batches are balanced in one launch. Tasks go the costliest first (:func:`_forward_tasks`,
+  :func:`_backward_tasks`), one at a time to the next free thread (:func:`.threads.claim`); a task's results
+  do not depend on which thread runs it or when.
+
 * forward: one task per (b, n1, query block); each task owns its rows, no reduction. A tile is cut to its
   leading columns that hold visible keys (:func:`_visible_cols`, e.g. the causal diagonal), and one across the
   visible region's edge runs as tiles of ``_EDGE_ROWS`` query rows, each cut on its own (rows of the task's
@@ -86,7 +92,7 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from numba import njit, prange, set_parallel_chunksize, types
+from numba import njit, prange, types
 from numba.extending import overload
 
 from .flash_attention_plan import MASKED_LOGIT, AttentionPlan
@@ -96,7 +102,7 @@ from .layouts import launch_strided
 from .numeric import (FASTMATH, LOG2E, aligned_empty, array_at, exp2_32, exp32, fmaximum, narrow, narrow_ftz,
                       prefer_512_bit_vectors, prefetch_bytes, row_address, row_view, unowned, widen)
 from .tensor_view import kernel_view, new_output
-from .threads import on_torch_threads
+from .threads import claim, kernel_threads, on_torch_threads
 
 _NEG = np.float32(MASKED_LOGIT)
 _FLT_MAX = np.float32(-MASKED_LOGIT)
@@ -149,6 +155,34 @@ def _unowned_plan(plan):
                       plan.nxt, plan.has_mask, plan.pse_kind, plan.pse_first, plan.shift, plan.dropout, plan.dpse,
                       plan.invalid_rows, plan.n1, plan.sq, plan.skv, plan.scale, unowned(plan.keep_factors),
                       unowned(plan.probs_like), unowned(plan.sink), plan.has_sink)
+
+
+class Sequence(NamedTuple):
+    """One attention problem of a launch: query rows ``[q0, q1)`` and key rows ``[k0, k1)`` of the S axes of the
+    operands, with its own plan. A BNSD call is one sequence over all of S; a varlen (TND) call one per batch, so
+    that all of them run as one set of tasks (:func:`_order_tasks`)."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    plan: AttentionPlan
+
+
+_PLAN_INTS = ("pre", "nxt", "has_mask", "pse_kind", "pse_first", "shift", "dropout", "dpse", "invalid_rows", "n1",
+              "sq", "skv")  # the KernelPlan fields a sequence sets (the others are common to a launch)
+_PLAN_ARRAYS = ("mask", "pse", "prefix", "drop")
+_MAX_RANK = 5
+
+
+class SequenceTable(NamedTuple):
+    """The sequences of a launch as the kernels read them (:func:`_sequence_table`): sequence s's rows and its
+    plan's own fields (:func:`_sequence_plan`), arrays by address (the caller keeps them alive)."""
+
+    rows: np.ndarray  # int64 [S, 6]: q0, q1, k0, k1, the first packed key block, the backward's batch tasks
+    ints: np.ndarray  # int64 [S, len(_PLAN_INTS)]
+    arrays: np.ndarray  # int64 [S, len(_PLAN_ARRAYS) + 2, 1 + _MAX_RANK]: address and shape of the plan's arrays,
+    # then of the backward's dQ slices and dpse target
 
 
 class Tile(NamedTuple):
@@ -234,6 +268,54 @@ class BackwardScratch(NamedTuple):
     dst_pairs: np.ndarray
     kk: np.ndarray  # rope: [1, 1, _BK, D + Dr] the key block's [K | K_rope] rows (:func:`_key_rows`)
     qq: np.ndarray  # rope on MKL: [1, 1, _BQ, D + Dr] the tile's [Q | Q_rope] rows (:func:`_query_rows`)
+
+
+def _table_array(like, row):  # pragma: no cover - compiled through the overload below
+    """The array at a :class:`SequenceTable` row ``(address, shape padded to _MAX_RANK)``: C-contiguous, with
+    like's dtype, rank and layout (the same memory typed any-strides when like is)."""
+    raise NotImplementedError
+
+
+@overload(_table_array, inline="always")
+def _table_array_impl(like, row):
+    shape = {1: _shape1, 4: _shape4, 5: _shape5}[like.ndim]
+    if like.layout == "C":
+        return lambda like, row: array_at(row[0], _size(shape(row)), like.dtype).reshape(shape(row))
+    return lambda like, row: unowned(array_at(row[0], _size(shape(row)), like.dtype).reshape(shape(row)))
+
+
+@njit(inline="always")
+def _shape1(row):
+    return (row[1],)
+
+
+@njit(inline="always")
+def _shape4(row):
+    return row[1], row[2], row[3], row[4]
+
+
+@njit(inline="always")
+def _shape5(row):
+    return row[1], row[2], row[3], row[4], row[5]
+
+
+@njit(inline="always")
+def _size(shape):
+    n = 1
+    for extent in shape:
+        n *= extent
+    return n
+
+
+@njit(inline="always")
+def _sequence_plan(plan, table, s):
+    """Sequence s's :class:`KernelPlan`: its own fields (``_PLAN_INTS``, ``_PLAN_ARRAYS``) from the table, the
+    launch's common ones (scale, dropout factors, rounding type, sink) from ``plan``."""
+    v, a = table.ints[s], table.arrays[s]
+    return KernelPlan(_table_array(plan.mask, a[0]), _table_array(plan.pse, a[1]), _table_array(plan.prefix, a[2]),
+                      _table_array(plan.drop, a[3]), v[0], v[1], v[2] != 0, v[3], v[4] != 0, v[5], v[6] != 0,
+                      v[7] != 0, v[8] != 0, v[9], v[10], v[11], plan.scale, plan.keep_factors, plan.probs_like,
+                      plan.sink, plan.has_sink)
 
 
 def _operand(v, like, tile):  # pragma: no cover - compiled through the overload below
@@ -578,21 +660,25 @@ def _pack_tile(t, rows, cols, out):
 
 
 @njit(**_KERNEL)
-def _pack_kv_kernel(k, v, kt, vt):
-    """K and V key blocks (``_FWD_BK`` keys) packed for the forward's brgemm: ``kt[b, n2, kb]`` the B of QK^T
-    (:func:`_pack_transposed`) and, for bfloat16, ``vt[b, n2, kb]`` the B of PV (:func:`_pack_rows`; a block with an
-    odd column count is left out: MKL takes it; float32 reads V in place)."""
-    B, N2, Skv, _ = k.shape
-    nkb = kt.shape[2]
-    for task in prange(B * N2 * nkb):
-        b = task // (N2 * nkb)
-        n2 = (task // nkb) % N2
-        kb = task % nkb
-        j0 = kb * _FWD_BK
-        cols = min(_FWD_BK, Skv - j0)
-        _pack_transposed(k, b, n2, j0, cols, kt[b, n2, kb])
+def _pack_kv_kernel(k, v, kt, vt, table):
+    """K and V key blocks (``_FWD_BK`` keys of a sequence of ``table``) packed for the forward's brgemm:
+    ``kt[b, n2, g]`` the B of QK^T (:func:`_pack_transposed`) and, for bfloat16, ``vt[b, n2, g]`` the B of PV
+    (:func:`_pack_rows`; a block with an odd column count is left out: MKL takes it; float32 reads V in place); g
+    counts the blocks of all sequences, sequence s's from ``table.rows[s, 4]``."""
+    B, N2 = k.shape[:2]
+    blocks = kt.shape[2]
+    starts = np.ascontiguousarray(table.rows[:, 4])
+    for task in prange(B * N2 * blocks):
+        b = task // (N2 * blocks)
+        n2 = (task // blocks) % N2
+        g = task % blocks
+        s = np.searchsorted(starts, g, side="right") - 1
+        k0, k1 = table.rows[s, 2], table.rows[s, 3]
+        j0 = (g - starts[s]) * _FWD_BK
+        cols = min(_FWD_BK, k1 - k0 - j0)
+        _pack_transposed(k, b, n2, k0 + j0, cols, kt[b, n2, g])
         if _pairs(v) and cols % 2 == 0:
-            _pack_rows(v, b, n2, j0, cols, vt[b, n2, kb])
+            _pack_rows(v, b, n2, k0 + j0, cols, vt[b, n2, g])
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
@@ -682,45 +768,68 @@ def _add_rope_scores(ops, tile, n2, s):
          True)
 
 
-@njit(**_KERNEL)
-def _forward_kernel(ops, plan, out, smax, ssum):
-    """out ``[B, N1, Sq, Dv]``, smax / ssum ``[B, N1, Sq]`` fp32 (written in place); tasks (b, n1, query block),
-    the last query block of a head first: under a causal mask the blocks grow with the row, so the tasks handed
-    out last are small ones and the threads finish together."""
-    q = ops.q
-    B, N1, Sq, _ = q.shape
+@njit(inline="always")
+def _forward_task(ops, plan, out, smax, ssum, b, n, i0, work):
+    """Query rows ``[i0, i0 + _BQ)`` of (b, n) into out ``[B, N1, Sq, Dv]``, smax / ssum ``[B, N1, Sq]`` fp32, on
+    the thread's scratch ``work`` (:func:`_forward_scratch`)."""
+    rows = min(_BQ, ops.q.shape[2] - i0)
     Dv = ops.v.shape[3]
-    nqb = (Sq + _BQ - 1) // _BQ
-    for task in prange(B * N1 * nqb):
-        b = task // (N1 * nqb)
-        n = (task // nqb) % N1
-        i0 = (nqb - 1 - task % nqb) * _BQ
-        rows = min(_BQ, Sq - i0)
-        work = ForwardScratch(aligned_empty((_BQ, _FWD_BK), np.float32), aligned_empty((_BQ, _FWD_BK), q.dtype),
-                              aligned_empty((_BQ, Dv), np.float32), aligned_empty((_BQ,), np.float32),
-                              aligned_empty((_BQ,), np.float32))
-        m, l, acc = work.m, work.l, work.acc
-        if _forward_block(ops, plan, b, n, i0, rows, True, work) and not plan.invalid_rows:
-            for r in range(rows):  # a fully masked row sums exp(0) over ALL keys: redo without skipping
-                if not m[r] > _NEG:
-                    _forward_block(ops, plan, b, n, i0, rows, False, work)
-                    break
-        if ops.packed:
-            brgemm_release()
-        for r in range(rows):
-            outr = row_view(out, b, n, i0 + r)  # a C row: the loops vectorise for any strides of out
-            dead = not m[r] > _NEG
-            if dead and plan.invalid_rows:
-                smax[b, n, i0 + r] = _NEG
-                ssum[b, n, i0 + r] = _FLT_MAX
-                for d in range(Dv):
-                    outr[d] = narrow(np.float32(0.0), out)
-                continue
-            smax[b, n, i0 + r] = m[r]
-            ssum[b, n, i0 + r] = l[r]
-            inv = np.float32(1.0) / l[r]
+    m, l, acc = work.m, work.l, work.acc
+    if _forward_block(ops, plan, b, n, i0, rows, True, work) and not plan.invalid_rows:
+        for r in range(rows):  # a fully masked row sums exp(0) over ALL keys: redo without skipping
+            if not m[r] > _NEG:
+                _forward_block(ops, plan, b, n, i0, rows, False, work)
+                break
+    if ops.packed:
+        brgemm_release()
+    for r in range(rows):
+        outr = row_view(out, b, n, i0 + r)  # a C row: the loops vectorise for any strides of out
+        dead = not m[r] > _NEG
+        if dead and plan.invalid_rows:
+            smax[b, n, i0 + r] = _NEG
+            ssum[b, n, i0 + r] = _FLT_MAX
             for d in range(Dv):
-                outr[d] = narrow(acc[r, d] * inv, out)
+                outr[d] = narrow(np.float32(0.0), out)
+            continue
+        smax[b, n, i0 + r] = m[r]
+        ssum[b, n, i0 + r] = l[r]
+        inv = np.float32(1.0) / l[r]
+        for d in range(Dv):
+            outr[d] = narrow(acc[r, d] * inv, out)
+
+
+@njit(inline="always")
+def _forward_scratch(q, dv):
+    """A thread's :class:`ForwardScratch`, reused by its tasks."""
+    return ForwardScratch(aligned_empty((_BQ, _FWD_BK), np.float32), aligned_empty((_BQ, _FWD_BK), q.dtype),
+                          aligned_empty((_BQ, dv), np.float32), aligned_empty((_BQ,), np.float32),
+                          aligned_empty((_BQ,), np.float32))
+
+
+@njit(inline="always")
+def _forward_sequence(ops, table, s):
+    """The :class:`ForwardOperands` of sequence s of ``table``: views of its rows and packed key blocks."""
+    q0, q1, k0, k1, kb0 = table.rows[s, 0], table.rows[s, 1], table.rows[s, 2], table.rows[s, 3], table.rows[s, 4]
+    return ForwardOperands(ops.q[:, :, q0:q1], ops.k[:, :, k0:k1], ops.v[:, :, k0:k1], ops.kt[:, :, kb0:],
+                           ops.vt[:, :, kb0:], ops.packed, ops.qr[:, :, q0:q1], ops.kr[:, :, k0:k1], ops.rope)
+
+
+@njit(**_KERNEL)
+def _forward_kernel(ops, plan, out, smax, ssum, table, tasks, workers):
+    """out ``[B, N1, S, Dv]``, smax / ssum ``[B, N1, S]`` fp32 (written in place) for the sequences of ``table``
+    (:class:`SequenceTable`, the packed K / V blocks of :func:`_pack_kv_kernel`); ``tasks`` int64 ``[T, 4]``:
+    (sequence, b, n1, first row of a query block), handed out in that order, one at a time to ``workers`` threads
+    (:func:`.threads.claim`; :func:`_forward_tasks`)."""
+    next_task = np.zeros(1, np.int64)
+    for _ in prange(workers):
+        work = _forward_scratch(ops.q, ops.v.shape[3])
+        t = claim(next_task)
+        while t < tasks.shape[0]:
+            s = tasks[t, 0]
+            q0, q1 = table.rows[s, 0], table.rows[s, 1]
+            _forward_task(_forward_sequence(ops, table, s), _sequence_plan(plan, table, s), out[:, :, q0:q1],
+                          smax[:, :, q0:q1], ssum[:, :, q0:q1], tasks[t, 1], tasks[t, 2], tasks[t, 3], work)
+            t = claim(next_task)
 
 
 @njit(**_KERNEL)
@@ -979,38 +1088,69 @@ def _backward_scratch(q, d, dv, dr, packed, pack_like):
                            aligned_empty((1, 1, rows[0], dqk), q.dtype), aligned_empty((1, 1, rows[1], dqk), q.dtype))
 
 
-@njit(**_KERNEL)
-def _backward_kernel(ops, plan, grads, pack_like, batch_tasks):
-    """grads.dk / grads.dv (written in place) and grads.dq_acc / dpse (summed into). Tasks (bt, n2, chunk),
-    bt < batch_tasks; a task runs the batches ``bt, bt + batch_tasks, ...`` in order for each of its key blocks
-    (batch_tasks 1: a batch-broadcast dpse is summed over b in one task). ``pack_like``: an array of the packed
-    operands' element type."""
-    B, N2, Skv, D = ops.k.shape
+@njit(inline="always")
+def _backward_operands(ops, table, s):
+    """Sequence s's :class:`BackwardOperands`: views of its rows."""
+    q0, q1, k0, k1 = table.rows[s, 0], table.rows[s, 1], table.rows[s, 2], table.rows[s, 3]
+    return BackwardOperands(ops.q[:, :, q0:q1], ops.k[:, :, k0:k1], ops.v[:, :, k0:k1], ops.dy[:, :, q0:q1],
+                            ops.qt[..., q0:q1], ops.dyt[..., q0:q1], ops.smax[:, :, q0:q1], ops.ssum[:, :, q0:q1],
+                            ops.dr[:, :, q0:q1], ops.packed, ops.qr[:, :, q0:q1], ops.kr[:, :, k0:k1], ops.rope,
+                            ops.qrt[..., q0:q1])
+
+
+@njit(inline="always")
+def _sequence_gradients(grads, table, s):
+    """Sequence s's :class:`Gradients`: views of its key rows, its dQ slices and dpse target from the table."""
+    k0, k1 = table.rows[s, 2], table.rows[s, 3]
+    arrays = table.arrays[s]
+    return Gradients(_table_array(grads.dq_acc, arrays[4]), grads.dk[:, :, k0:k1], grads.dv[:, :, k0:k1],
+                     _table_array(grads.dpse, arrays[5]), grads.dkr[:, :, k0:k1])
+
+
+@njit(inline="always")
+def _backward_task(ops, plan, grads, work, bt, batch_tasks, n2, chunk):
+    """Key chunk ``chunk`` of kv head n2 (of ``grads.dq_acc.shape[0]``) for the batches ``bt, bt + batch_tasks,
+    ...`` in order, key block by key block: dk / dv written, dQ and dpse summed into."""
+    B, _, Skv, D = ops.k.shape
     Dv = ops.v.shape[3]
     dk, dv, dk_rope = grads.dk, grads.dv, grads.dkr
+    dkt, dvt = work.dkt, work.dvt
     chunks = grads.dq_acc.shape[0]
     nkb = (Skv + _BK - 1) // _BK
-    scale = plan.scale
-    for task in prange(batch_tasks * N2 * chunks):
-        bt = task // (N2 * chunks)
-        n2 = (task // chunks) % N2
-        chunk = task % chunks
+    for kb in range(chunk * nkb // chunks, (chunk + 1) * nkb // chunks):
+        j0 = kb * _BK
+        for b in range(bt, B, batch_tasks):
+            _backward_key_block(ops, plan, grads, work, b, n2, j0, chunk)
+            for r in range(min(_BK, Skv - j0)):
+                dkr, dvr = row_view(dk, b, n2, j0 + r), row_view(dv, b, n2, j0 + r)
+                for d in range(D):
+                    dkr[d] = narrow(dkt[d, r] * plan.scale, dk)
+                for d in range(Dv):
+                    dvr[d] = narrow(dvt[d, r], dv)
+                if ops.rope:
+                    dkrr = row_view(dk_rope, b, n2, j0 + r)
+                    for d in range(dk_rope.shape[3]):
+                        dkrr[d] = dkt[D + d, r] * plan.scale
+
+
+@njit(**_KERNEL)
+def _backward_kernel(ops, plan, grads, pack_like, table, tasks, workers):
+    """grads.dk / grads.dv (written in place) and the dQ slices / dpse of the sequences of ``table`` (summed into).
+    ``tasks`` int64 ``[T, 4]``: (sequence, bt, n2, chunk), handed out in that order, one at a time to ``workers``
+    threads (:func:`.threads.claim`; :func:`_backward_tasks`); a task runs :func:`_backward_task` with the sequence's
+    batch_tasks (1: a batch-broadcast dpse is summed over b in one task). ``pack_like``: an array of the packed
+    operands' element type."""
+    D, Dv = ops.k.shape[3], ops.v.shape[3]
+    next_task = np.zeros(1, np.int64)
+    for _ in prange(workers):
         work = _backward_scratch(ops.q, D, Dv, ops.qr.shape[3] if ops.rope else 0, ops.packed, pack_like)
-        dkt, dvt = work.dkt, work.dvt
-        for kb in range(chunk * nkb // chunks, (chunk + 1) * nkb // chunks):
-            j0 = kb * _BK
-            for b in range(bt, B, batch_tasks):
-                _backward_key_block(ops, plan, grads, work, b, n2, j0, chunk)
-                for r in range(min(_BK, Skv - j0)):
-                    dkr, dvr = row_view(dk, b, n2, j0 + r), row_view(dv, b, n2, j0 + r)
-                    for d in range(D):
-                        dkr[d] = narrow(dkt[d, r] * scale, dk)
-                    for d in range(Dv):
-                        dvr[d] = narrow(dvt[d, r], dv)
-                    if ops.rope:
-                        dkrr = row_view(dk_rope, b, n2, j0 + r)
-                        for d in range(dk_rope.shape[3]):
-                            dkrr[d] = dkt[D + d, r] * scale
+        t = claim(next_task)
+        while t < tasks.shape[0]:
+            s = tasks[t, 0]
+            _backward_task(_backward_operands(ops, table, s), _sequence_plan(plan, table, s),
+                           _sequence_gradients(grads, table, s), work, tasks[t, 1], table.rows[s, 5], tasks[t, 2],
+                           tasks[t, 3])
+            t = claim(next_task)
         if ops.packed:
             brgemm_release()
 
@@ -1045,24 +1185,15 @@ def _finish_dq_kernel(dq_acc, scale, dq, dq_rope):
                 ropes[d] = narrow(total[D + d] * scale, dq_rope)
 
 
-def _dynamic(kernel, *args, exact: tuple[int, ...]) -> None:
-    """Run a task-parallel kernel (:func:`.layouts.launch_strided`) with chunk size 1 (tasks handed out one by one:
-    balanced when costs differ)."""
-    previous = set_parallel_chunksize(1)
-    try:
-        launch_strided(kernel, *args, exact=exact)
-    finally:
-        set_parallel_chunksize(previous)
-
-
 def _view(t: torch.Tensor, in_place: bool = False) -> np.ndarray:
-    """Kernel view of t: a C-contiguous copy unless t already is one, or, with ``in_place``, t itself when its
-    rows are unit-stride and do not overlap (a TND batch seen as BNSD: the GEMMs read ``[S, D]`` matrices with
-    leading dimension stride(-2)). In-place views are for the varlen layer and preallocated outputs; the kernels
-    compile one specialisation for any strides (:func:`.layouts.launch_strided`)."""
+    """Kernel view of t: a C-contiguous copy unless t already is one (on :func:`.tensor_view.new_output` memory: a
+    large copy reuses pages of the previous call's), or, with ``in_place``, t itself when its rows are unit-stride
+    and do not overlap (a TND batch seen as BNSD: the GEMMs read ``[S, D]`` matrices with leading dimension
+    stride(-2)). In-place views are for the varlen layer and preallocated outputs; the kernels compile one
+    specialisation for any strides (:func:`.layouts.launch_strided`)."""
     unit_rows = t.stride(-1) == 1 or t.shape[-1] == 1
-    if not (in_place and unit_rows and (t.shape[-2] == 1 or t.stride(-2) >= t.shape[-1])):
-        t = t.contiguous()
+    if not (in_place and unit_rows and (t.shape[-2] == 1 or t.stride(-2) >= t.shape[-1])) and not t.is_contiguous():
+        t = new_output(t.shape, t.dtype).copy_(t)
     return kernel_view(t)
 
 
@@ -1082,11 +1213,11 @@ def _pse_kind(plan: AttentionPlan) -> int:
     return _PSE_COMPRESSED if plan.pse_compressed else _PSE_DENSE
 
 
-def _kernel_plan(plan: AttentionPlan, q: torch.Tensor, skv: int, dpse: bool = False) -> KernelPlan:
-    """The plan as the kernels take it (placeholders for absent arrays; Python ints and bools, float32 scalars,
-    so every plan compiles to the same argument type). q: the input before widening (its dtype is the one P and
-    dS are rounded to with ``plan.round_probs``)."""
-    b, n1, sq = q.shape[:3]
+def _kernel_plan(plan: AttentionPlan, q: torch.Tensor, sq: int, skv: int, dpse: bool = False) -> KernelPlan:
+    """The plan of a sequence of sq x skv scores as the kernels take it (placeholders for absent arrays; Python
+    ints and bools, float32 scalars, C-contiguous arrays, so every plan compiles to the same argument type). q:
+    the input before widening (its dtype is the one P and dS are rounded to with ``plan.round_probs``)."""
+    b, n1 = q.shape[:2]
     mask = plan.atten_mask
     mask = np.zeros((1, 1, 1, 1), np.uint8) if mask is None else _view(mask)
     if plan.pse is None:
@@ -1118,6 +1249,51 @@ def _keep_factor_table(keep_prob: float) -> np.ndarray:
     return np.where(bits == 1, np.float32(1.0) / np.float32(keep_prob), np.float32(0.0)).astype(np.float32)
 
 
+def _sequence_table(sequences: list[Sequence], kplans: list[KernelPlan], key_block: int,
+                    extra: tuple[list[np.ndarray], ...] = (), batch_tasks: list[int] | None = None) -> SequenceTable:
+    """The :class:`SequenceTable` of ``sequences`` and their kernel plans; key blocks of ``key_block`` keys are
+    counted over all sequences (the forward's packed K / V); ``extra``: per-sequence arrays after the plan's (the
+    backward's dQ slices and dpse target)."""
+    count = len(sequences)
+    rows = np.zeros((count, 6), np.int64)
+    rows[:, :4] = [seq[:4] for seq in sequences]
+    blocks = -(-(rows[:, 3] - rows[:, 2]) // key_block)
+    rows[:, 4] = np.cumsum(blocks) - blocks
+    rows[:, 5] = batch_tasks or 0
+    ints = np.array([[int(getattr(p, f)) for f in _PLAN_INTS] for p in kplans], np.int64).reshape(count, -1)
+    arrays = np.ones((count, len(_PLAN_ARRAYS) + 2, 1 + _MAX_RANK), np.int64)
+    for s, p in enumerate(kplans):
+        for f, a in enumerate([getattr(p, name) for name in _PLAN_ARRAYS] + [e[s] for e in extra]):
+            arrays[s, f, 0] = a.ctypes.data
+            arrays[s, f, 1:1 + a.ndim] = a.shape
+    return SequenceTable(rows, ints, arrays)
+
+
+def _visible_keys(i: np.ndarray, skv: int, plan: AttentionPlan) -> np.ndarray:
+    """How many keys of the band ``i - pre <= j <= i + next`` query rows i see (prefix and atten_mask ignored)."""
+    return np.clip(np.minimum(skv, i + plan.next_tokens + 1) - np.maximum(0, i - plan.pre_tokens), 0, skv)
+
+
+def _forward_tasks(sequences: list[Sequence], batches: int, heads: int) -> np.ndarray:
+    """int64 ``[T, 4]`` (sequence, b, n1, i0): the query blocks of every sequence, batch and head. A head's blocks
+    are consecutive (the threads share its K and V in cache), its last block first (under a causal mask the blocks
+    grow with the row); the heads go the costliest first (rows times the keys their band sees; a stable order
+    among equals), so the tasks handed out last are small ones and the threads finish together."""
+    units, costs = [], []
+    for s, (q0, q1, k0, k1, plan) in enumerate(sequences):
+        i0 = np.arange(0, q1 - q0, _BQ)[::-1]
+        rows = np.minimum(_BQ, q1 - q0 - i0)
+        cost = rows * (_visible_keys(i0, k1 - k0, plan) + _visible_keys(i0 + rows - 1, k1 - k0, plan))
+        b, n = np.divmod(np.arange(batches * heads), heads)
+        unit = np.empty((b.size, i0.size, 4), np.int64)
+        unit[:, :, 0], unit[:, :, 1], unit[:, :, 2], unit[:, :, 3] = s, b[:, None], n[:, None], i0
+        units.append(unit.reshape(-1, 4))
+        costs.append(np.repeat(cost.sum(), b.size * i0.size))
+    if not units:
+        return np.zeros((0, 4), np.int64)
+    return np.ascontiguousarray(np.concatenate(units)[np.argsort(-np.concatenate(costs), kind="stable")])
+
+
 def _use_brgemm(q: torch.Tensor, d: int, dv: int) -> bool:
     """torch's brgemm serves float32, and bfloat16 with even head dims (VNNI pairs), where it is usable
     (:data:`.gemm.BRGEMM_DTYPES`)."""
@@ -1137,26 +1313,26 @@ def _rope_views(q: torch.Tensor, rope: tuple | None, in_place: bool) -> tuple[np
     return (*(_view(t, in_place) for t in rope), True)
 
 
-def _forward_operands(q: torch.Tensor, qv: np.ndarray, kv: np.ndarray, vv: np.ndarray, rope: tuple
-                      ) -> ForwardOperands:
+def _forward_operands(q: torch.Tensor, qv: np.ndarray, kv: np.ndarray, vv: np.ndarray, rope: tuple,
+                      table: SequenceTable) -> ForwardOperands:
     """The forward's operands: K and V packed for the brgemm (:func:`_use_brgemm`; float32 needs K^T only, V is
-    read in place), else placeholders; ``rope``: :func:`_rope_views`."""
-    b, n2, skv, d = kv.shape
+    read in place), the key blocks of the sequences of ``table``, else placeholders; ``rope``: :func:`_rope_views`."""
+    b, n2, _, d = kv.shape
     like = _pack_like(q)
     placeholder = np.zeros((1, 1, 1, 1), like.dtype)
     if not _use_brgemm(q, d, vv.shape[3]):
         return ForwardOperands(qv, kv, vv, placeholder, placeholder, False, *rope)
-    nkb = -(-skv // _FWD_BK)
+    blocks = int(table.rows[-1, 4] + -(-(table.rows[-1, 3] - table.rows[-1, 2]) // _FWD_BK))
     per = like.itemsize // q.element_size()  # input elements per packed element (2: VNNI pairs)
-    kt = np.empty((b, n2, nkb, _FWD_BK * d // per), like.dtype)
-    vt = np.empty((b, n2, nkb, _FWD_BK * vv.shape[3] // per), like.dtype) if per == 2 else placeholder
-    _pack_kv_kernel(kv, vv, kt, vt)
+    kt = np.empty((b, n2, blocks, _FWD_BK * d // per), like.dtype)
+    vt = np.empty((b, n2, blocks, _FWD_BK * vv.shape[3] // per), like.dtype) if per == 2 else placeholder
+    launch_strided(_pack_kv_kernel, kv, vv, kt, vt, table, exact=(2, 3, 4))
     return ForwardOperands(qv, kv, vv, kt, vt, True, *rope)
 
 
 @on_torch_threads
 def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=None, softmax_sum=None,
-                            rope=None):
+                            rope=None, sequences: list[Sequence] | None = None):
     """Returns ``(out [B,N1,Sq,Dv] input dtype, softmax_max [B,N1,Sq] fp32, softmax_sum [B,N1,Sq] fp32)``.
 
     ``rope = (q_rope [B,N1,Sq,Dr], k_rope [B,N2|1,Skv,Dr])``: the scores are ``[q, q_rope] [k, k_rope]^T``.
@@ -1169,16 +1345,26 @@ def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=
     (docs/performance.md, 'Flash attention: varlen and launch costs'). Fully masked rows:
     max = -FLT_MAX and sum = Skv (uniform P over all keys), or with ``plan.invalid_rows`` out = 0,
     max = -FLT_MAX, sum = +FLT_MAX (see docs/cann-semantics.md, 'Fully masked rows').
+
+    ``sequences`` (B = 1, a varlen call): several problems on rows of the S axes, each with its own plan (``plan``
+    gives the fields they share: scale, keep_prob, sink, the precision flags), run as one launch whose tasks are
+    balanced over all of them (:func:`_forward_tasks`); every sequence gets the bits it gets alone. q (and the
+    rope parts) are then read in place (views of the packed TND tensors), K and V still from copies, and rows of
+    no sequence are left as they are.
     """
     B, N1, Sq, _ = q.shape
+    in_place = sequences is not None
+    sequences = sequences or [Sequence(0, Sq, 0, k.shape[2], plan)]
     out = torch.empty(B, N1, Sq, v.shape[3], dtype=q.dtype) if out is None else _unit_rows(out)
     smax = torch.empty(B, N1, Sq, dtype=torch.float32) if softmax_max is None else softmax_max
     ssum = torch.empty(B, N1, Sq, dtype=torch.float32) if softmax_sum is None else softmax_sum
-    kplan = _kernel_plan(plan, q, k.shape[2])
+    kplans = [_kernel_plan(seq.plan, q, seq.q1 - seq.q0, seq.k1 - seq.k0) for seq in sequences]
+    table = _sequence_table(sequences, kplans, _FWD_BK)
     q, k, v = _widened(plan, q, k, v)
     rope = rope and _widened(plan, *rope)
-    operands = _forward_operands(q, *(_view(t) for t in (q, k, v)), _rope_views(q, rope, False))
-    _dynamic(_forward_kernel, operands, kplan, kernel_view(out), smax.numpy(), ssum.numpy(), exact=(1,))
+    operands = _forward_operands(q, _view(q, in_place), _view(k), _view(v), _rope_views(q, rope, in_place), table)
+    launch_strided(_forward_kernel, operands, kplans[0], kernel_view(out), kernel_view(smax), kernel_view(ssum), table,
+                   _forward_tasks(sequences, B, N1), kernel_threads(), exact=(1, 5, 6))
     return out, smax, ssum
 
 
@@ -1213,7 +1399,20 @@ def _dpse_target(plan: AttentionPlan, b: int, sq: int) -> tuple[torch.Tensor | N
     if not plan.pse_compressed and (shape[0], shape[2]) == (b, sq):
         out = new_output(shape, plan.pse.dtype).zero_()
         return out, kernel_view(out)
-    return None, new_output(shape, torch.float32).zero_().numpy()
+    return None, _dpse_accumulator(plan)
+
+
+def _dpse_accumulator(plan: AttentionPlan) -> np.ndarray:
+    return new_output(tuple(plan.pse.shape), torch.float32).zero_().numpy()
+
+
+def _dpse_targets(sequences: list[Sequence], b: int) -> list[tuple[torch.Tensor | None, np.ndarray]]:
+    """:func:`_dpse_target` of each sequence; fp32 accumulators for all when their kinds differ (one launch
+    takes one array type; each element still gets the same sum, rounded once when it is read out)."""
+    targets = [_dpse_target(seq.plan, b, seq.q1 - seq.q0) for seq in sequences]
+    if len({a.dtype for _, a in targets}) > 1:
+        targets = [(None, _dpse_accumulator(seq.plan)) for seq in sequences]
+    return targets
 
 
 def _dpse_split(plan: AttentionPlan, b: int) -> tuple[int, bool]:
@@ -1223,9 +1422,39 @@ def _dpse_split(plan: AttentionPlan, b: int) -> tuple[int, bool]:
     return (b if plan.pse.shape[0] > 1 else 1), plan.pse_compressed
 
 
+def _backward_split(seq: Sequence, b: int, n2: int, dpse: bool) -> tuple[int, int]:
+    """(batch_tasks, chunks) of a sequence's backward tasks (:func:`_dpse_split`, :func:`backward_chunks`)."""
+    batch_tasks, single_chunk = _dpse_split(seq.plan, b) if dpse else (b, False)
+    return batch_tasks, 1 if single_chunk else backward_chunks(batch_tasks * n2, seq.k1 - seq.k0)
+
+
+def _visible_queries(j: np.ndarray, sq: int, plan: AttentionPlan) -> np.ndarray:
+    """How many query rows of the band see keys j (prefix and atten_mask ignored)."""
+    return np.clip(np.minimum(sq, j + plan.pre_tokens + 1) - np.maximum(0, j - plan.next_tokens), 0, sq)
+
+
+def _backward_tasks(sequences: list[Sequence], splits: list[tuple[int, int]], kv_heads: int) -> np.ndarray:
+    """int64 ``[T, 4]`` (sequence, bt, n2, chunk): every key chunk of every sequence, batch task and kv head, the
+    costliest first (keys times the query rows their band sees; a stable order among equals)."""
+    tasks, costs = [], []
+    for s, (seq, (batch_tasks, chunks)) in enumerate(zip(sequences, splits)):
+        sq, skv = seq.q1 - seq.q0, seq.k1 - seq.k0
+        blocks = -(-skv // _BK)
+        chunk = np.arange(chunks)
+        j0 = chunk * blocks // chunks * _BK
+        j1 = np.minimum((chunk + 1) * blocks // chunks * _BK, skv)
+        cost = (j1 - j0) * (_visible_queries(j0, sq, seq.plan) + _visible_queries(j1 - 1, sq, seq.plan))
+        bt, n2, c = (a.ravel() for a in np.meshgrid(np.arange(batch_tasks), np.arange(kv_heads), chunk, indexing="ij"))
+        tasks.append(np.stack([np.full(c.size, s), bt, n2, c], 1))
+        costs.append(cost[c])
+    order = np.argsort(-np.concatenate(costs), kind="stable")
+    return np.ascontiguousarray(np.concatenate(tasks)[order], dtype=np.int64)
+
+
 @on_torch_threads
 def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: AttentionPlan,
-                             with_dpse: bool = False, dq=None, dk=None, dv=None, rope=None, rope_into=None):
+                             with_dpse: bool = False, dq=None, dk=None, dv=None, rope=None, rope_into=None,
+                             sequences: list[Sequence] | None = None):
     """Returns ``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)``: dq/dk/dv shaped like q, k, v in the input dtype (module
     docstring for the math); dpse shaped like ``plan.pse`` in its dtype when ``with_dpse`` (pse_type 0/1), else
     None; with ``rope = (q_rope, k_rope)`` (as in :func:`flash_attention_forward`) their gradients (a single
@@ -1236,43 +1465,57 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     not read in the golden order (``plan.widen_gemm`` without ``plan.round_probs``), which recomputes it in float32.
     dq / dk / dv: optional preallocated outputs (any strides, e.g. views into TND tensors), written in place;
     the inputs are then read in place too, as in :func:`flash_attention_forward`.
+
+    ``sequences``: as in :func:`flash_attention_forward`, one launch over all of them (B = 1); the rows of the
+    sequences are written, the others left as they are; dpse is then a list (each sequence's, shaped like its
+    plan's pse) and dsink the sum over the sequences.
     """
     B, N1, Sq, D = q.shape
     N2, Skv = k.shape[1], k.shape[2]
     want_dpse = with_dpse and plan.pse is not None and plan.pse_type in (0, 1)
-    batch_tasks, single_chunk = _dpse_split(plan, B) if want_dpse else (B, False)
-    in_place = dq is not None
-    kplan = _kernel_plan(plan, q, Skv, want_dpse)
+    in_place = dq is not None or sequences is not None
+    several, sequences = sequences is not None, sequences or [Sequence(0, Sq, 0, Skv, plan)]
+    kplans = [_kernel_plan(seq.plan, q, seq.q1 - seq.q0, seq.k1 - seq.k0, want_dpse) for seq in sequences]
     dtype = q.dtype
     q, k, v, dy = _widened(plan, q, k, v, dy)
     rope_operands = rope and _widened(plan, *rope)
     if plan.widen_gemm and not plan.round_probs:  # D = rowsum(P dP) = rowsum(dy * out) of the unrounded output
-        out = flash_attention_forward(q, k, v, plan, rope=rope_operands)[0]
-    qv, kv, vv, dyv = (_view(t, in_place) for t in (q, k, v, dy))
+        out = flash_attention_forward(q, k, v, plan, rope=rope_operands, sequences=sequences if several else None)[0]
+    qv, kv, vv, dyv = _view(q, in_place), _view(k), _view(v), _view(dy, in_place)
     dr = np.empty((B, N1, Sq), np.float32)
     _row_dot_kernel(dyv, _view(out, in_place), dr)
-    chunks = 1 if single_chunk else backward_chunks(batch_tasks * N2, Skv)
     dq, dk, dv = (torch.empty(like.shape, dtype=dtype) if t is None else _unit_rows(t)
                   for t, like in ((dq, q), (dk, k), (dv, v)))
-    dpse_out, dpse = _dpse_target(plan, B, Sq) if want_dpse else (None, np.zeros((1, 1, 1, 1), np.float32))
     smax, ssum = (_view(t.detach().float(), in_place) for t in (softmax_max, softmax_sum))
     packed = _use_brgemm(q, D, v.shape[3])
     qr, kr, has_rope = _rope_views(q, rope_operands, in_place)
+    qrt = _transposed(rope_operands and rope_operands[0], packed, q)
     operands = BackwardOperands(qv, kv, vv, dyv, _transposed(q, packed, q), _transposed(dy, packed, q), smax, ssum,
-                                dr, packed, qr, kr, has_rope, _transposed(rope_operands and rope_operands[0], packed, q))
-    rope_dim = qr.shape[3] if has_rope else 0
-    dq_acc = np.zeros((chunks, B, N1, Sq, D + rope_dim), np.float32)
-    dkr = np.empty((B, N2, Skv, rope_dim) if has_rope else (1, 1, 1, 1), np.float32)
-    grads = Gradients(dq_acc, kernel_view(dk), kernel_view(dv), dpse, dkr)
-    _dynamic(_backward_kernel, operands, kplan, grads, _pack_like(q), batch_tasks, exact=(1, 3))
+                                dr, packed, qr, kr, has_rope, qrt)
+    splits = [_backward_split(seq, B, N2, want_dpse) for seq in sequences]
+    width = D + (qr.shape[3] if has_rope else 0)
+    dq_accs = [np.zeros((chunks, B, N1, seq.q1 - seq.q0, width), np.float32)
+               for seq, (_, chunks) in zip(sequences, splits)]
+    dpse = _dpse_targets(sequences, B) if want_dpse else [(None, np.zeros((1, 1, 1, 1), np.float32))] * len(sequences)
+    dkr = np.empty((B, N2, Skv, width - D) if has_rope else (1, 1, 1, 1), np.float32)
+    table = _sequence_table(sequences, kplans, _BK, (dq_accs, [a for _, a in dpse]),
+                            [batch_tasks for batch_tasks, _ in splits])
+    grads = Gradients(dq_accs[0], kernel_view(dk), kernel_view(dv), dpse[0][1], dkr)
+    launch_strided(_backward_kernel, operands, kplans[0], grads, _pack_like(q), table,
+                   _backward_tasks(sequences, splits, N2), kernel_threads(), exact=(1, 3, 4, 5))
     dq_rope, dk_rope = _rope_outputs(rope, rope_into) if has_rope else (None, None)
-    _finish_dq_kernel(dq_acc, kplan.scale, kernel_view(dq), kernel_view(dq_rope if has_rope else dq[:1, :1, :1]))
-    if has_rope:
-        dk_rope.copy_(_kv_head_sum(torch.from_numpy(dkr), dk_rope.shape[1]))
-    if want_dpse and dpse_out is None:
-        dpse_out = torch.from_numpy(dpse).to(plan.pse.dtype)
-    dsink = None if plan.sink is None else _sink_gradient(plan.sink, dr, smax, ssum)
-    return dq, dk, dv, dpse_out, dq_rope, dk_rope, dsink
+    for seq, dq_acc in zip(sequences, dq_accs):
+        rows = slice(seq.q0, seq.q1)
+        _finish_dq_kernel(dq_acc, kplans[0].scale, kernel_view(dq[:, :, rows]),
+                          kernel_view(dq_rope[:, :, rows] if has_rope else dq[:1, :1, :1]))
+        if has_rope:
+            keys = slice(seq.k0, seq.k1)
+            dk_rope[:, :, keys].copy_(_kv_head_sum(torch.from_numpy(dkr[:, :, keys]), dk_rope.shape[1]))
+    dpse_out = [out if out is not None else torch.from_numpy(a).to(seq.plan.pse.dtype)
+                for seq, (out, a) in zip(sequences, dpse)] if want_dpse else [None]
+    dsink = None if plan.sink is None else sum(
+        _sink_gradient(plan.sink, *(a[:, :, seq.q0:seq.q1] for a in (dr, smax, ssum))) for seq in sequences)
+    return dq, dk, dv, dpse_out if several else dpse_out[0], dq_rope, dk_rope, dsink
 
 
 def _sink_gradient(sink: torch.Tensor, dr: np.ndarray, smax: np.ndarray, ssum: np.ndarray) -> torch.Tensor:

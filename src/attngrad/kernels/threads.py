@@ -9,6 +9,12 @@ whatever ``OMP_NUM_THREADS`` says, so a later ``torch.set_num_threads`` can rais
 to torch's for the call and restored after it. MKL is unaffected: the kernels call it single-threaded from their
 numba workers (:mod:`.gemm`). Every kernel's results are the same bits for any thread count (their task splits
 depend on the shapes only).
+
+Tasks of unequal cost (flash attention's) are handed out one at a time by :func:`claim`: a ``prange`` loop gives
+each thread a fixed, contiguous share of its iterations (numba's OpenMP and workqueue layers schedule statically,
+whatever ``numba.set_parallel_chunksize`` says), so a kernel runs one loop iteration per thread (``prange(workers)``,
+``workers = kernel_threads()`` passed in: numba's ``get_num_threads`` in compiled code keeps a kernel out of the disk
+cache) and each of them claims tasks from a shared counter until none is left.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ import functools
 
 import numba
 import torch
+from llvmlite import ir
+from numba import njit, types
+from numba.extending import intrinsic
 from numba.np.ufunc import parallel as _parallel
 
 
@@ -57,3 +66,23 @@ def on_torch_threads(launch):
             set_count(previous)
 
     return run
+
+
+@intrinsic
+def _fetch_increment(typingctx, address):
+    """Atomically add 1 to the int64 at an integer address; the value before."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        counter = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        return builder.atomic_rmw("add", counter, ir.Constant(ir.IntType(64), 1), "monotonic")
+
+    return types.int64(address), codegen
+
+
+@njit(inline="always")
+def claim(counter):
+    """The next task of a launch, ``counter[0]`` (an int64 array shared by its threads, starting at 0), counted up
+    atomically: every task goes to exactly one thread, the next free one."""
+    return _fetch_increment(counter.ctypes.data)

@@ -407,19 +407,22 @@ def resolve_plan(op: str, geo: Geometry, dtype: torch.dtype, attrs: AttentionAtt
 
 
 # ----------------------------------------------------------------------------------------- kernels
-def _degenerate(geo: Geometry) -> bool:
+def degenerate(geo: Geometry) -> bool:
+    """A problem with a zero size: the kernels leave it to the dense reference (exact, and trivially small)."""
     return 0 in (geo.b, geo.n1, geo.sq, geo.skv, geo.d, geo.dv)
 
 
-def forward_kernel(p: Problem, into: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def forward_kernel(p: Problem, into: tuple | None = None, sequences: list[kernels.Sequence] | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the forward on a validated problem: ``(out BNSD, softmax_max [B,N1,Sq], softmax_sum [B,N1,Sq])``,
     written into ``into = (out, softmax_max, softmax_sum)`` when given (views of those shapes, any strides
-    with a unit last stride: the varlen layer's TND rows).
+    with a unit last stride: the varlen layer's TND rows). ``sequences``: the varlen layer's batches, none of them
+    degenerate, as one launch on the rows of a B = 1 problem (``kernels.flash_attention_forward``).
 
     Empty problems (a zero size) use the dense reference, which is exact and trivially small there:
     Skv == 0 gives out = 0, max = -FLT_MAX, sum = 0 (with a sink: max = sink, sum = 1).
     """
-    if _degenerate(p.geo):
+    if degenerate(p.geo):
         out, m, s = flash_attention_forward_reference(p.q, p.k, p.v, p.plan)
         if p.plan.sink is not None and p.geo.skv == 0:
             m, s = p.plan.sink.view(1, -1, 1).expand(m.shape), torch.ones(s.shape)
@@ -429,19 +432,22 @@ def forward_kernel(p: Problem, into: tuple | None = None) -> tuple[torch.Tensor,
         for target, result in zip(into, results):
             target.copy_(result)
         return into
-    return kernels.flash_attention_forward(p.q, p.k, p.v, p.plan, *(into or (None, None, None)), rope=p.rope)
+    return kernels.flash_attention_forward(p.q, p.k, p.v, p.plan, *(into or (None, None, None)), rope=p.rope,
+                                           sequences=sequences)
 
 
-def backward_kernel(p: Problem, with_dpse: bool = False, into: tuple | None = None) -> Grads:
+def backward_kernel(p: Problem, with_dpse: bool = False, into: tuple | None = None,
+                    sequences: list[kernels.Sequence] | None = None) -> Grads:
     """Run the grad on a validated problem (recomputing out/max/sum if absent): BNSD :class:`Grads`; dpse
     (pse's shape, pseType 0/1) only when ``with_dpse``; dq_rope / dk_rope with rope parts, dsink float32
     ``[N1]`` with a sink. ``into = (dq, dk, dv)`` or ``(dq, dk, dv, dq_rope, dk_rope)``: views to write the
-    gradients into (as in :func:`forward_kernel`).
+    gradients into (as in :func:`forward_kernel`). ``sequences``: as in :func:`forward_kernel` (dpse is then a
+    list, one per sequence).
 
     When any of dq, dk, dv is empty (or Skv == 0 / Sq == 0), all gradients are zero-filled (CANN's rule).
     """
     pse, sink = p.plan.pse, p.plan.sink
-    if _degenerate(p.geo):
+    if degenerate(p.geo):
         dpse = torch.zeros(pse.shape, dtype=pse.dtype) if with_dpse and pse is not None else None
         like = (p.q, p.k, p.v, *(p.rope or ()))
         grads = into or tuple(torch.empty(t.shape, dtype=p.q.dtype) for t in like)
@@ -454,7 +460,7 @@ def backward_kernel(p: Problem, with_dpse: bool = False, into: tuple | None = No
     into = into or ()
     return Grads(*kernels.flash_attention_backward(
         p.q, p.k, p.v, p.dy, p.out, p.softmax_max, p.softmax_sum, p.plan, with_dpse, *into[:3], rope=p.rope,
-        rope_into=into[3:] or None))
+        rope_into=into[3:] or None, sequences=sequences))
 
 
 def stats8(t: torch.Tensor) -> torch.Tensor:

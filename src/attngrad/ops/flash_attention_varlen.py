@@ -9,10 +9,11 @@ allowed; trailing entries where both arrays are 0 disable those batches; T may e
 both T1 and T2 do, the last entries of both arrays must be 0). Rows beyond the totals get zero output and
 zero gradient.
 
-Each batch runs through the BNSD kernels of :mod:`attngrad.ops.flash_attention_core` on views of the packed
-tensors (``query[q0:q1]`` is ``[Sq_b, N1, D]`` -> ``[1, N1, Sq_b, D]``); nothing is padded to the longest
-sequence. The per-batch :class:`AttentionPlan` comes from the core's ``resolve_plan`` with the batch's
-own geometry, so masks, sparse modes (right-down shifts by ``Skv_b - Sq_b``), pse and dropout follow the
+Each batch is its own problem for the BNSD kernels of :mod:`attngrad.ops.flash_attention_core` on rows of the
+packed tensors (``query[q0:q1]`` is ``[Sq_b, N1, D]`` -> ``[1, N1, Sq_b, D]``), and all of them run as one
+launch whose tasks are balanced over the batches (:class:`.kernels.flash_attention.Sequence`); nothing is padded
+to the longest sequence, and each batch gets the bits it gets alone. The per-batch :class:`AttentionPlan` comes
+from the core's ``resolve_plan`` with the batch's own geometry, so masks, sparse modes (right-down shifts by ``Skv_b - Sq_b``), pse and dropout follow the
 core exactly and are supported (or refused with 161002 "not supported yet") exactly as the core does.
 The TND-only rules live here: the SS / compressed mask forms, sparse modes 7 and 8 (the band batch is
 the last (7) / first (8) batch with ``Sq_b != 0``; it runs as mode 4, the others as mode 3 / 2), the
@@ -36,13 +37,14 @@ import numpy as np
 import torch
 
 from ..errors import ACLNN_ERR_PARAM_NULLPTR, AclnnError
+from ..kernels.flash_attention import Sequence
 from ..kernels.flash_attention_plan import ALIBI_ROWS, AttentionPlan
 from ..kernels.tensor_view import new_output
 from ..validation import (MASK_DTYPES, check_choice, check_dtype, check_float, check_int, check_int_list,
                           check_int_tensor, check_range, check_rank, invalid, require_tensor)
 from .flash_attention_core import (COMPRESSED_MASK, STATS_COPIES, AttentionAttrs, AttentionTensors, Geometry,
-                                   Grads, Problem, backward_kernel, forward_kernel, geometry, has_float_pse,
-                                   resolve_plan, stats8)
+                                   Grads, Problem, backward_kernel, degenerate, forward_kernel, geometry,
+                                   has_float_pse, resolve_plan, stats8)
 from .flash_attention_checks import (NO_OUTPUTS, absent, check_cann_sizes, check_drop_mask, check_dy_and_attention_in,
                                      check_forward_outputs, check_grad_outputs, check_head_num, check_input_layout,
                                      check_pse_type, check_tensors, require_forward_tensors,
@@ -378,6 +380,17 @@ def _batch_stats(stats: torch.Tensor, layout: str, n1: int, q0: int, q1: int) ->
     return stats.view(-1)[q0 * n1:q1 * n1].view(1, n1, q1 - q0)
 
 
+def _true_tnd_order(stats: torch.Tensor, layout: str, geo: VarlenGeometry) -> torch.Tensor:
+    """Contiguous [T1, N1] statistics in ``layout`` order -> true TND order (:func:`_pack_stats` undone; rows
+    beyond the totals as they are)."""
+    if layout == "TND":
+        return stats
+    order = geo.cann_stats_order
+    tnd = stats.clone()
+    tnd.view(-1)[order] = stats.reshape(-1)[:order.numel()]
+    return tnd
+
+
 def _pack_stats(stats: torch.Tensor, layout: str, geo: VarlenGeometry) -> torch.Tensor:
     """[T1, N1] float32 in true TND order -> [T1, N1, 8] in ``layout`` order (rows beyond the totals 0): the
     default order is one gather through :attr:`VarlenGeometry.cann_stats_order` (whatever the batch count)."""
@@ -407,6 +420,21 @@ class VarlenProblem:
     softmax_layout: str = ""
     pse: torch.Tensor | None = None            # the TND float pse (pseType 0/1), for dpse
     rope: tuple | None = None                  # the checked (query_rope [T1,N1,Dr], key_rope [T2,N2|1,Dr], heads)
+
+    def whole(self) -> Problem:
+        """All rows as one B = 1 BNSD problem (views), for a launch over the batches' rows; its plan is batch 0's."""
+        geo = self.geo
+        p = Problem(Geometry("BNSD", 1, geo.n1, geo.n2, geo.t1, geo.t2, geo.d, geo.dv), self.plans[0],
+                    _bnsd(self.query, 0, geo.t1), _bnsd(self.key, 0, geo.t2), _bnsd(self.value, 0, geo.t2))
+        if self.rope is not None:
+            p.q_rope, p.k_rope = _bnsd(self.rope[0], 0, geo.t1), _bnsd(self.rope[1], 0, geo.t2)
+        if self.dy is not None:
+            p.dy = _bnsd(self.dy, 0, geo.t1)
+        if self.out is not None:
+            p.out = _bnsd(self.out, 0, geo.t1)
+            p.softmax_max, p.softmax_sum = (_batch_stats(_true_tnd_order(t, self.softmax_layout, geo), "TND", geo.n1,
+                                                         0, geo.t1) for t in (self.softmax_max, self.softmax_sum))
+        return p
 
     def batch(self, b: int) -> Problem:
         """Batch b as the core's BNSD problem (views; stats [1, N1, Sq_b])."""
@@ -480,8 +508,9 @@ def check_backward(query, key, value, dy, attrs: AttentionAttrs, tensors: Attent
 
 # ------------------------------------------------------------------------------------------ kernels
 def forward_packed(p: VarlenProblem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-batch forward: ``(out [T1, N1, Dv], softmax_max [T1, N1], softmax_sum [T1, N1])`` in true TND
-    order, each batch written in place; rows beyond the totals are 0."""
+    """The forward of all batches as one launch (:class:`.kernels.flash_attention.Sequence`; a batch without keys
+    by the core's rule for empty problems): ``(out [T1, N1, Dv], softmax_max [T1, N1], softmax_sum [T1, N1])``
+    in true TND order, each batch written in place; rows beyond the totals are 0."""
     geo = p.geo
     out = new_output((geo.t1, geo.n1, geo.dv), p.query.dtype)
     smax = torch.empty(geo.t1, geo.n1, dtype=torch.float32)
@@ -489,12 +518,24 @@ def forward_packed(p: VarlenProblem) -> tuple[torch.Tensor, torch.Tensor, torch.
     total_q = geo.cum_q[-1] if geo.batch_count else 0
     for t in (out, smax, ssum):
         t[total_q:].zero_()
+    sequences = []
     for b in range(geo.batch_count):
-        q0, q1, _, _ = geo.rows(b)
-        if q1 > q0:
-            forward_kernel(p.batch(b), into=(_bnsd(out, q0, q1),
-                                             *(_batch_stats(t, "TND", geo.n1, q0, q1) for t in (smax, ssum))))
+        q0, q1, k0, k1 = geo.rows(b)
+        if q1 == q0:
+            continue
+        if degenerate(geo.batch_geometry(b)):
+            forward_kernel(p.batch(b), into=_rows_of((out, smax, ssum), geo.n1, q0, q1))
+        else:
+            sequences.append(Sequence(q0, q1, k0, k1, p.plans[b]))
+    if sequences:
+        forward_kernel(p.whole(), into=_rows_of((out, smax, ssum), geo.n1, 0, geo.t1), sequences=sequences)
     return out, smax, ssum
+
+
+def _rows_of(outputs: tuple, n1: int, q0: int, q1: int) -> tuple[torch.Tensor, ...]:
+    """Query rows [q0, q1) of the forward's TND (out, softmax_max, softmax_sum) as BNSD views."""
+    out, smax, ssum = outputs
+    return _bnsd(out, q0, q1), *(_batch_stats(t, "TND", n1, q0, q1) for t in (smax, ssum))
 
 
 def run_forward(p: VarlenProblem) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -504,30 +545,45 @@ def run_forward(p: VarlenProblem) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def run_backward(p: VarlenProblem, with_dpse: bool = False) -> Grads:
-    """Per-batch grad (recomputing out and stats by :func:`forward_packed` when absent): :class:`Grads`, dq, dk,
-    dv (and dq_rope, dk_rope) shaped like query, key, value (and the rope parts), each batch written in place
-    (rows beyond the totals, queries of batches without keys and keys of batches without queries get 0, as in
-    CANN) and, with ``with_dpse`` for a float
-    pse (pseType 0/1), dpse in the pse's TND form (batch b's gradient added at the place it was read from, so
-    a shared compressed alibi sums its batches); else dpse is None. dsink: the sum over the batches."""
+    """The grad of all batches as one launch (recomputing out and stats by :func:`forward_packed` when absent; a
+    batch without queries or keys by the core's zero fill): :class:`Grads`, dq, dk, dv (and dq_rope, dk_rope)
+    shaped like query, key, value (and the rope parts), each batch written in place (rows beyond the totals,
+    queries of batches without keys and keys of batches without queries get 0, as in CANN) and, with
+    ``with_dpse`` for a float pse (pseType 0/1), dpse in the pse's TND form (batch b's gradient added at the
+    place it was read from, so a shared compressed alibi sums its batches); else dpse is None. dsink: the sum
+    over the batches."""
     geo = p.geo
     if p.out is None:
         out, smax, ssum = forward_packed(p)
         p = dataclasses.replace(p, out=out, softmax_max=smax, softmax_sum=ssum, softmax_layout="TND")
     packed = (p.query, p.key, p.value, *(p.rope[:2] if p.rope else ()))
     grads = tuple(new_output(t.shape, p.query.dtype) for t in packed)
-    dpse = torch.zeros(p.pse.shape, dtype=p.pse.dtype) if with_dpse and p.pse is not None else None
+    with_dpse = with_dpse and p.pse is not None
+    dpse = torch.zeros(p.pse.shape, dtype=p.pse.dtype) if with_dpse else None
     sink = p.plans[0].sink
     dsink = None if sink is None else torch.zeros(sink.shape)
     total_q, total_kv = (geo.cum_q[-1], geo.cum_kv[-1]) if geo.batch_count else (0, 0)
     for i, grad in enumerate(grads):
         grad[total_q if i in (0, 3) else total_kv:].zero_()
-    for b in range(geo.batch_count):  # a batch without queries or keys zero-fills its rows (backward_kernel)
+    sequences, batches = [], []
+    for b in range(geo.batch_count):
         q0, q1, k0, k1 = geo.rows(b)
-        g = backward_kernel(p.batch(b), with_dpse=dpse is not None,
-                            into=tuple(_bnsd(t, *((q0, q1) if i in (0, 3) else (k0, k1))) for i, t in enumerate(grads)))
-        if dpse is not None and q1 > q0 and k1 > k0:
-            _batch_pse(dpse, geo, b, p.plans[b].pse_type).add_(g.dpse)
+        if degenerate(geo.batch_geometry(b)):  # zero-fills its rows
+            backward_kernel(p.batch(b), into=_grad_rows(grads, (q0, q1, k0, k1)))
+        else:
+            sequences.append(Sequence(q0, q1, k0, k1, p.plans[b]))
+            batches.append(b)
+    if sequences:
+        g = backward_kernel(p.whole(), with_dpse=with_dpse, into=_grad_rows(grads, (0, geo.t1, 0, geo.t2)),
+                            sequences=sequences)
+        for b, batch_dpse in zip(batches, g.dpse if with_dpse else ()):
+            _batch_pse(dpse, geo, b, p.plans[b].pse_type).add_(batch_dpse)
         if dsink is not None:
             dsink += g.dsink
     return Grads(*grads[:3], dpse, *(grads[3:] or (None, None)), dsink)
+
+
+def _grad_rows(grads: tuple, rows: tuple[int, int, int, int]) -> tuple[torch.Tensor, ...]:
+    """Query rows [q0, q1) of dq (and dq_rope), key rows [k0, k1) of dk, dv (and dk_rope), as BNSD views."""
+    q0, q1, k0, k1 = rows
+    return tuple(_bnsd(t, *((q0, q1) if i in (0, 3) else (k0, k1))) for i, t in enumerate(grads))
