@@ -73,8 +73,9 @@ C-contiguous views (:func:`.numeric.row_view`) or by address (the GEMMs), so con
 run the same code and give the same bits wherever their GEMMs do. The small kernels (packing, row dots, the dQ sum) keep
 numba's typing: they compile in seconds, and their loops give the same bits either way.
 
-Extra memory: per task a few [BQ, BK] tiles plus the fp32 dQ slices (``chunks * B*N1*Sq*D``), the packed
-bf16 K, V of the forward and the Q^T, dY^T copies of the backward: O(S*D), never an [Sq, Skv] tensor beyond
+Extra memory: per thread a few [BQ, BK] tiles (allocated once per launch) plus the fp32 dQ slices
+(``chunks * B*N1*Sq*D``), the packed bf16 K, V of the forward, the Q^T, dY^T copies of the backward and copies
+of inputs that are not contiguous (of K and V in a varlen launch): O(S*D), never an [Sq, Skv] tensor beyond
 the pse's own (dpse: one fp32 accumulator shaped like the pse, never the expanded [B, N1, Sq, Skv]).
 
 Tile classification (``_tile_kind``): a tile entirely outside the visible region (band and prefix) is
