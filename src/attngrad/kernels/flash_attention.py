@@ -89,6 +89,7 @@ from the slopes. Dropout bits are unpacked a byte at a time per row.
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -1429,6 +1430,16 @@ def _backward_split(seq: Sequence, b: int, n2: int, dpse: bool) -> tuple[int, in
     return batch_tasks, 1 if single_chunk else backward_chunks(batch_tasks * n2, seq.k1 - seq.k0)
 
 
+def _dq_slices(shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
+    """Zeroed fp32 dQ slices of these shapes, C-contiguous, one after the other in one buffer from
+    :func:`.tensor_view.new_output` (a large one reuses the pages of the previous call's: fresh pages would
+    each cost a fault, and a varlen launch holds the slices of all its batches at once)."""
+    sizes = [math.prod(shape) for shape in shapes]
+    flat = new_output((sum(sizes),), torch.float32).zero_().numpy()
+    starts = np.cumsum(sizes) - sizes
+    return [flat[a:a + n].reshape(shape) for a, n, shape in zip(starts, sizes, shapes)]
+
+
 def _visible_queries(j: np.ndarray, sq: int, plan: AttentionPlan) -> np.ndarray:
     """How many query rows of the band see keys j (prefix and atten_mask ignored)."""
     return np.clip(np.minimum(sq, j + plan.pre_tokens + 1) - np.maximum(0, j - plan.next_tokens), 0, sq)
@@ -1495,8 +1506,7 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
                                 dr, packed, qr, kr, has_rope, qrt)
     splits = [_backward_split(seq, B, N2, want_dpse) for seq in sequences]
     width = D + (qr.shape[3] if has_rope else 0)
-    dq_accs = [np.zeros((chunks, B, N1, seq.q1 - seq.q0, width), np.float32)
-               for seq, (_, chunks) in zip(sequences, splits)]
+    dq_accs = _dq_slices([(chunks, B, N1, seq.q1 - seq.q0, width) for seq, (_, chunks) in zip(sequences, splits)])
     dpse = _dpse_targets(sequences, B) if want_dpse else [(None, np.zeros((1, 1, 1, 1), np.float32))] * len(sequences)
     dkr = np.empty((B, N2, Skv, width - D) if has_rope else (1, 1, 1, 1), np.float32)
     table = _sequence_table(sequences, kplans, _BK, (dq_accs, [a for _, a in dpse]),
