@@ -134,7 +134,8 @@ def narrow_inputs() -> torch.Tensor:
         exact = all_patterns(dtype).float()
         exact = exact[exact.isfinite()]
         mid = ((exact.double()[:-1] + exact.double()[1:]) / 2).float()
-        values += [exact, mid, torch.nextafter(mid, torch.tensor(math.inf)), torch.nextafter(mid, torch.tensor(-math.inf))]
+        values += [exact, mid, torch.nextafter(mid, torch.tensor(math.inf)),
+                   torch.nextafter(mid, torch.tensor(-math.inf))]
     special = [0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 65504.0, 65519.99, 65520.0, 3.4e38, 1e-45,
                5.96e-8, 2.98e-8, 2.99e-8, 6.1e-5, 1.18e-38]
     values.append(torch.tensor(special + [-v for v in special]))

@@ -1271,9 +1271,11 @@ def _sequence_table(sequences: list[Sequence], kplans: list[KernelPlan], key_blo
     return SequenceTable(rows, ints, arrays)
 
 
-def _visible_keys(i: np.ndarray, skv: int, plan: AttentionPlan) -> np.ndarray:
-    """How many keys of the band ``i - pre <= j <= i + next`` query rows i see (prefix and atten_mask ignored)."""
-    return np.clip(np.minimum(skv, i + plan.next_tokens + 1) - np.maximum(0, i - plan.pre_tokens), 0, skv)
+def _band_count(i: np.ndarray, extent: int, before: int, after: int) -> np.ndarray:
+    """How many of ``extent`` positions j satisfy ``i - before <= j <= i + after``, for each i: the keys a query row
+    sees under the band (before = pre, after = next) or the query rows that see a key (before = next, after = pre);
+    prefix and atten_mask ignored."""
+    return np.clip(np.minimum(extent, i + after + 1) - np.maximum(0, i - before), 0, extent)
 
 
 def _forward_tasks(sequences: list[Sequence], batches: int, heads: int) -> np.ndarray:
@@ -1285,14 +1287,13 @@ def _forward_tasks(sequences: list[Sequence], batches: int, heads: int) -> np.nd
     for s, (q0, q1, k0, k1, plan) in enumerate(sequences):
         i0 = np.arange(0, q1 - q0, _BQ)[::-1]
         rows = np.minimum(_BQ, q1 - q0 - i0)
-        cost = rows * (_visible_keys(i0, k1 - k0, plan) + _visible_keys(i0 + rows - 1, k1 - k0, plan))
+        band = (k1 - k0, plan.pre_tokens, plan.next_tokens)
+        cost = rows * (_band_count(i0, *band) + _band_count(i0 + rows - 1, *band))
         b, n = np.divmod(np.arange(batches * heads), heads)
         unit = np.empty((b.size, i0.size, 4), np.int64)
         unit[:, :, 0], unit[:, :, 1], unit[:, :, 2], unit[:, :, 3] = s, b[:, None], n[:, None], i0
         units.append(unit.reshape(-1, 4))
         costs.append(np.repeat(cost.sum(), b.size * i0.size))
-    if not units:
-        return np.zeros((0, 4), np.int64)
     return np.ascontiguousarray(np.concatenate(units)[np.argsort(-np.concatenate(costs), kind="stable")])
 
 
@@ -1440,11 +1441,6 @@ def _dq_slices(shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
     return [flat[a:a + n].reshape(shape) for a, n, shape in zip(starts, sizes, shapes)]
 
 
-def _visible_queries(j: np.ndarray, sq: int, plan: AttentionPlan) -> np.ndarray:
-    """How many query rows of the band see keys j (prefix and atten_mask ignored)."""
-    return np.clip(np.minimum(sq, j + plan.pre_tokens + 1) - np.maximum(0, j - plan.next_tokens), 0, sq)
-
-
 def _backward_tasks(sequences: list[Sequence], splits: list[tuple[int, int]], kv_heads: int) -> np.ndarray:
     """int64 ``[T, 4]`` (sequence, bt, n2, chunk): every key chunk of every sequence, batch task and kv head, the
     costliest first (keys times the query rows their band sees; a stable order among equals)."""
@@ -1455,7 +1451,8 @@ def _backward_tasks(sequences: list[Sequence], splits: list[tuple[int, int]], kv
         chunk = np.arange(chunks)
         j0 = chunk * blocks // chunks * _BK
         j1 = np.minimum((chunk + 1) * blocks // chunks * _BK, skv)
-        cost = (j1 - j0) * (_visible_queries(j0, sq, seq.plan) + _visible_queries(j1 - 1, sq, seq.plan))
+        band = (sq, seq.plan.next_tokens, seq.plan.pre_tokens)
+        cost = (j1 - j0) * (_band_count(j0, *band) + _band_count(j1 - 1, *band))
         bt, n2, c = (a.ravel() for a in np.meshgrid(np.arange(batch_tasks), np.arange(kv_heads), chunk, indexing="ij"))
         tasks.append(np.stack([np.full(c.size, s), bt, n2, c], 1))
         costs.append(cost[c])

@@ -13,8 +13,9 @@ Each batch is its own problem for the BNSD kernels of :mod:`attngrad.ops.flash_a
 packed tensors (``query[q0:q1]`` is ``[Sq_b, N1, D]`` -> ``[1, N1, Sq_b, D]``), and all of them run as one
 launch whose tasks are balanced over the batches (:class:`.kernels.flash_attention.Sequence`); nothing is padded
 to the longest sequence, and each batch gets the bits it gets alone. The per-batch :class:`AttentionPlan` comes
-from the core's ``resolve_plan`` with the batch's own geometry, so masks, sparse modes (right-down shifts by ``Skv_b - Sq_b``), pse and dropout follow the
-core exactly and are supported (or refused with 161002 "not supported yet") exactly as the core does.
+from the core's ``resolve_plan`` with the batch's own geometry, so masks, sparse modes (right-down shifts by
+``Skv_b - Sq_b``), pse and dropout follow the core exactly and are supported (or refused with 161002 "not
+supported yet") exactly as the core does.
 The TND-only rules live here: the SS / compressed mask forms, sparse modes 7 and 8 (the band batch is
 the last (7) / first (8) batch with ``Sq_b != 0``; it runs as mode 4, the others as mode 3 / 2), the
 flattened 1-D pse forms and per-batch slopes, the per-batch dropout bit blocks (batch b starts at bit
