@@ -73,14 +73,14 @@ def test_flash_attention_batch_split_same_bits(dtype):
     out, max, sum, dk and dv; dq too when both runs use the same number of key chunks."""
     g = torch.Generator().manual_seed(2)
     q, k, v, dy = (torch.randn(s, generator=g).to(dtype) for s in
-                   ((3, 4, 70, 16), (3, 2, 600, 16), (3, 2, 600, 8), (3, 4, 70, 8)))
+                   ((3, 4, 70, 16), (3, 2, 1100, 16), (3, 2, 1100, 8), (3, 4, 70, 8)))
     whole = _fa(q, k, v, dy)
     for b in range(3):
         part = _fa(q[b:b + 1], k[b:b + 1], v[b:b + 1], dy[b:b + 1])
         for i in (0, 1, 2, 4, 5):
             assert same_bits(whole[i][b:b + 1], part[i]), f"batch {b}: output {i}"
         torch.testing.assert_close(whole[3][b:b + 1].float(), part[3].float(), rtol=1e-2, atol=1e-2)
-    assert fa_kernels.backward_chunks(6, 600) != fa_kernels.backward_chunks(2, 600)  # the split really differs
+    assert fa_kernels.backward_chunks(6, 1100) != fa_kernels.backward_chunks(2, 1100)  # the split really differs
 
 
 @pytest.mark.parametrize("chunks", [1, 2, 3])

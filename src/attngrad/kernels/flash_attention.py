@@ -113,7 +113,7 @@ _BK = 256  # key columns of a tile
 _FWD_BK = 512  # key columns of a forward tile (fewer online-softmax rescales of the accumulator)
 _EDGE_ROWS = 64  # query rows of the tiles across the visible region's edge (forward and backward)
 _ROWS_AHEAD = 2  # a dense pse or atten_mask row is prefetched this many rows ahead of its use
-_TARGET_TASKS = 8  # the backward splits keys into chunks until B*N2*chunks reaches this (when it can)
+_TARGET_TASKS = 16  # the backward splits keys into chunks until B*N2*chunks reaches this (when it can)
 _OUTSIDE, _INSIDE, _PARTIAL = 0, 1, 2
 
 # pse kinds: none, dense [Bp,N1,Sp,Skv], alibi-compressed [Bp,N1,1024,Skv], generated |d|, generated sqrt|d|
