@@ -21,8 +21,9 @@ from attngrad.cli import main
 from attngrad.kernels import gemm_paths
 from attngrad.machine import cpu_model, isa_flags
 
-ROOFLINES = {"copy_gbps": 20.0, "gemm_fp32_tflops": 0.5, "gemm_bf16_tflops": 2.0,
-             "gemm_bf16_widened_tflops": 0.4, "gemm_bf16_best_tflops": 2.0}
+ROOFLINES = {"copy_gbps": 20.0, "gemm_fp32_torch_tflops": 0.5, "gemm_fp32_tiles_tflops": 0.45,
+             "gemm_fp32_tflops": 0.5, "gemm_bf16_tflops": 2.0, "gemm_bf16_widened_tflops": 0.4,
+             "gemm_bf16_tiles_tflops": 1.5, "gemm_bf16_best_tflops": 2.0}
 
 
 @pytest.fixture
@@ -290,4 +291,4 @@ def test_report_opens_with_the_machine_and_calibrate_measures_again(tmp_path, mo
     assert machine["gemm_paths"] == {"bfloat16": "widened_fp32", "float16": "widened_fp32"}
     summary = (tmp_path / "bench.md").read_text()
     assert summary.startswith(f"CPU: {cpu_model()}") and "GEMM paths: bfloat16 widened_fp32" in summary
-    assert "(best 2)" in summary  # the bf16 roofline of native or widened GEMM
+    assert "kernel tiles (best 0.5)" in summary and "fp32 tiles 2)" in summary  # the best of each dtype's GEMMs

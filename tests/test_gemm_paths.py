@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -137,3 +138,29 @@ def test_flash_attention_takes_the_forced_path(dtype, monkeypatch):
         results[path] = (out, *grads)
     for native, widened in zip(results[NATIVE], results[WIDENED]):
         torch.testing.assert_close(widened.float(), native.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tile_roofline_multiplies_on_the_kernels_path(dtype):
+    """The tile roofline's products are a @ b (fp32 accumulation of exact products) on the path the kernels
+    take, and its rate is a positive number for two threads."""
+    a, b, c = gemm_paths._tile_operands(dtype, 64, 32, 16)
+    gemm_paths._repeated_products(a, b, c, 2, dtype in gemm_paths.BRGEMM_DTYPES)
+    packed = dtype != torch.float32 and dtype in gemm_paths.BRGEMM_DTYPES
+    expected = _values(a, dtype) @ _values(_unpack_pairs(b) if packed else b, dtype)
+    torch.testing.assert_close(torch.from_numpy(c).double(), expected, rtol=1e-5, atol=1e-4)
+    rate = gemm_paths.tile_tflops(dtype, 2, seconds=0.01)
+    assert 0 < rate < float("inf")
+
+
+def _values(bits: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """float64 values of a kernel operand: float32 as it is, 16-bit types from their bits."""
+    if dtype == torch.float32:
+        return torch.from_numpy(bits).double()
+    return torch.from_numpy(bits.view(np.int16)).view(dtype).double()
+
+
+def _unpack_pairs(pairs: np.ndarray) -> np.ndarray:
+    """VNNI pairs ``[k // 2, n]`` uint32 -> the rows ``[k, n]`` uint16 they interleave."""
+    low, high = (pairs & 0xFFFF).astype(np.uint16), (pairs >> 16).astype(np.uint16)
+    return np.stack([low, high], 1).reshape(-1, pairs.shape[1])

@@ -100,9 +100,13 @@ def best_time(fn: Callable[[], object], repeat: int, warmup: int = 1, budget_s: 
 
 
 def measure_rooflines(quick: bool) -> dict[str, float]:
-    """Copy bandwidth (read + write) and GEMM throughput of this machine, measured now: fp32 the best of torch's
-    and numpy's GEMM, bf16 torch's native one, and ``gemm_bf16_best`` the better of that and the bf16 operands
-    widened to fp32 (widening included) on the fp32 GEMM: the bf16 roofline of a kernel free to take either."""
+    """Copy bandwidth (read + write) and GEMM throughput of this machine, measured now. fp32: the best of torch's
+    and numpy's GEMM and the kernels' own tile GEMM on all threads (:func:`.kernels.gemm_paths.tile_tflops`);
+    bf16: torch's native GEMM, the bf16 operands widened to fp32 (widening included) on torch's fp32 GEMM, and
+    the kernels' bf16 tiles; ``gemm_bf16_best`` the best of those and of the fp32 tiles: the bf16 roofline of a
+    kernel free to take either path."""
+    from .kernels.gemm_paths import tile_tflops
+
     n = (64 if quick else 256) * 2**20 // 4
     src, dst = torch.randn(n), torch.empty(n)
     t = best_time(lambda: dst.copy_(src), 5 if quick else 10)
@@ -114,10 +118,16 @@ def measure_rooflines(quick: bool) -> dict[str, float]:
     a16, b16 = a32.bfloat16(), b32.bfloat16()
     t16 = best_time(lambda: torch.mm(a16, b16), reps)
     t16_widened = best_time(lambda: torch.mm(a16.float(), b16.float()), reps)
+    tiles = {dtype: tile_tflops(dtype, torch.get_num_threads(), 0.05 if quick else 0.2)
+             for dtype in (torch.float32, torch.bfloat16)}
     flops = 2 * size**3
-    return {"copy_gbps": 2 * n * 4 / t / 1e9, "gemm_fp32_tflops": flops / t32 / 1e12,
-            "gemm_bf16_tflops": flops / t16 / 1e12, "gemm_bf16_widened_tflops": flops / t16_widened / 1e12,
-            "gemm_bf16_best_tflops": flops / min(t16, t16_widened) / 1e12}
+    r = {"copy_gbps": 2 * n * 4 / t / 1e9, "gemm_fp32_torch_tflops": flops / t32 / 1e12,
+         "gemm_fp32_tiles_tflops": tiles[torch.float32], "gemm_bf16_tflops": flops / t16 / 1e12,
+         "gemm_bf16_widened_tflops": flops / t16_widened / 1e12, "gemm_bf16_tiles_tflops": tiles[torch.bfloat16]}
+    r["gemm_fp32_tflops"] = max(r["gemm_fp32_torch_tflops"], r["gemm_fp32_tiles_tflops"])
+    r["gemm_bf16_best_tflops"] = max(r["gemm_bf16_tflops"], r["gemm_bf16_widened_tflops"],
+                                     r["gemm_bf16_tiles_tflops"], r["gemm_fp32_tiles_tflops"])
+    return r
 
 
 def machine_info(recalibrate: bool = False) -> dict:
@@ -147,9 +157,11 @@ def machine_text(machine: dict) -> str:
 
 
 def rooflines_text(r: dict[str, float]) -> str:
-    return (f"copy {r['copy_gbps']:.1f} GB/s, fp32 GEMM {r['gemm_fp32_tflops']:.3g} TFLOP/s, bf16 GEMM "
-            f"{r['gemm_bf16_tflops']:.3g} TFLOP/s native, {r['gemm_bf16_widened_tflops']:.3g} TFLOP/s widened to fp32 "
-            f"(best {r['gemm_bf16_best_tflops']:.3g})")
+    return (f"copy {r['copy_gbps']:.1f} GB/s; fp32 GEMM {r['gemm_fp32_torch_tflops']:.3g} TFLOP/s torch, "
+            f"{r['gemm_fp32_tiles_tflops']:.3g} kernel tiles (best {r['gemm_fp32_tflops']:.3g}); bf16 GEMM "
+            f"{r['gemm_bf16_tflops']:.3g} TFLOP/s torch, {r['gemm_bf16_widened_tflops']:.3g} torch widened to fp32, "
+            f"{r['gemm_bf16_tiles_tflops']:.3g} kernel tiles (best of these and the fp32 tiles "
+            f"{r['gemm_bf16_best_tflops']:.3g})")
 
 
 @functools.lru_cache(maxsize=None)

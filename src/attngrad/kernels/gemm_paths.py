@@ -28,6 +28,7 @@ import os
 import tempfile
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -182,15 +183,21 @@ def measure(dtype: torch.dtype) -> dict[str, float]:
 
 
 @njit(cache=True, nogil=True)
+def _pack_pairs(b, b_pairs):
+    """b ``[k, n]`` 16-bit -> b_pairs ``[k // 2, n]`` uint32: rows 2r and 2r + 1 interleaved (brgemm's VNNI)."""
+    sixteen = np.uint32(16)
+    for r2 in range(b.shape[0] // 2):
+        for j in range(b.shape[1]):
+            b_pairs[r2, j] = np.uint32(b[2 * r2, j]) | (np.uint32(b[2 * r2 + 1, j]) << sixteen)
+
+
+@njit(cache=True, nogil=True)
 def _native_product(a, b, b_pairs, a32, b32, c, on_brgemm):
     """c = a b on the dtype's own GEMM: brgemm with b packed in VNNI pairs (packing included), else MKL."""
     m, k = a.shape
     n = b.shape[1]
     if on_brgemm:
-        sixteen = np.uint32(16)
-        for r2 in range(k // 2):
-            for j in range(n):
-                b_pairs[r2, j] = np.uint32(b[2 * r2, j]) | (np.uint32(b[2 * r2 + 1, j]) << sixteen)
+        _pack_pairs(b, b_pairs)
         brgemm(a, m, n, k, (a.ctypes.data, k), (b_pairs.ctypes.data, n), (c.ctypes.data, n), False)
     else:
         gemm(a, NO_TRANS, NO_TRANS, m, n, k, (a.ctypes.data, k), (b.ctypes.data, n), (c.ctypes.data, n), False)
@@ -212,3 +219,57 @@ def _widened_product(a, b, b_pairs, a32, b32, c, on_brgemm):
     else:
         gemm(a32, NO_TRANS, NO_TRANS, m, n, k, (a32.ctypes.data, k), (b32.ctypes.data, n), (c.ctypes.data, n),
              False)
+
+
+# ------------------------------------------------------------------------------------------- tile roofline
+def tile_tflops(dtype: torch.dtype, threads: int, seconds: float = 0.2) -> float:
+    """TFLOP/s of the kernels' own GEMM on all ``threads`` at once: each thread multiplies the backward tile set
+    (module docstring) on its own ``dtype`` tiles (bfloat16 or float32), ``reps`` times over about ``seconds``,
+    through the native path (brgemm with B packed once, as the kernels pack a key block once for many query
+    blocks; else MKL); best of five runs. A roofline for the kernels where torch's own GEMM is slower."""
+    tiles = [_tile_operands(dtype, m, n, k) for _ in range(threads) for m, n, k in _TILE_SET]
+    per_thread = len(_TILE_SET)
+    on_brgemm = dtype in BRGEMM_DTYPES
+    flops = 2 * sum(m * n * k for m, n, k in _TILE_SET)
+
+    def run(thread: int, reps: int) -> None:
+        for a, b, c in tiles[thread * per_thread:(thread + 1) * per_thread]:
+            _repeated_products(a, b, c, reps, on_brgemm)
+
+    run(0, 1)  # warm-up (and numba's compile on the first use)
+    start = time.perf_counter()
+    run(0, 1)
+    reps = max(1, int(seconds / max(time.perf_counter() - start, 1e-6)))
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(5):
+            start = time.perf_counter()
+            list(pool.map(run, range(threads), [reps] * threads))
+            best = min(best, time.perf_counter() - start)
+    return threads * reps * flops / best / 1e12
+
+
+def _tile_operands(dtype: torch.dtype, m: int, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(a ``[m, k]``, b as the native path takes it, c ``[m, n]`` fp32) of random values in ``dtype``."""
+    a, b = (torch.randn(s).to(dtype) for s in ((m, k), (k, n)))
+    c = np.empty((m, n), np.float32)
+    if dtype == torch.float32:
+        return a.numpy(), b.numpy(), c
+    a16, b16 = (t.view(torch.int16).numpy().view(_KERNEL_BITS[dtype]) for t in (a, b))
+    if dtype not in BRGEMM_DTYPES:
+        return a16, b16, c
+    b_pairs = np.empty((k // 2, n), np.uint32)
+    _pack_pairs(b16, b_pairs)
+    return a16, b_pairs, c
+
+
+@njit(cache=True, nogil=True)
+def _repeated_products(a, b, c, reps, on_brgemm):
+    """c = a b, ``reps`` times: brgemm (b as it takes it: VNNI pairs for 16-bit a), else MKL."""
+    m, k = a.shape
+    n = c.shape[1]
+    for _ in range(reps):
+        if on_brgemm:
+            brgemm(a, m, n, k, (a.ctypes.data, k), (b.ctypes.data, n), (c.ctypes.data, n), False)
+        else:
+            gemm(a, NO_TRANS, NO_TRANS, m, n, k, (a.ctypes.data, k), (b.ctypes.data, n), (c.ctypes.data, n), False)
