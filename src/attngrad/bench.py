@@ -2,7 +2,7 @@
 
 The report opens with the machine (CPU model, instruction sets, thread count, the GEMM paths the bf16 / fp16
 kernels take: :mod:`attngrad.kernels.gemm_paths`). The machine's rooflines are measured first (copy bandwidth, fp32
-GEMM, bf16 GEMM native and on widened fp32), then every case of
+GEMM, bf16 GEMM native and on widened fp32, the kernels' own tile GEMM on all threads), then every case of
 the modules in ``benchmarks/`` (installed as ``attngrad.benchmarks``). Each case times several
 implementations of the same computation (best of N after warm-up) and reports the ratio of each peer's
 time to attngrad's, plus GB/s or TFLOP/s against the matching roofline. Results go to the terminal
