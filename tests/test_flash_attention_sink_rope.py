@@ -148,6 +148,29 @@ def test_rope_matches_concatenated(layout, dtype, kr_heads):
         assert_close(to_bnsd(got, layout, heads), want, dtype)
 
 
+@pytest.mark.parametrize("dtype,dr", [(torch.bfloat16, 8), (torch.bfloat16, 7), (torch.float32, 7)])
+def test_rope_even_key_blocks_matches_concatenated(dtype, dr):
+    """An even key count, so that where torch's brgemm serves bfloat16 the backward runs on it: its ``[K | K_rope]``
+    rows go in VNNI pairs, so an odd Dr must take MKL instead; BNSD, no mask."""
+    q, k, v, dy = random_tensors(((1, N1, SQ, D), (1, N2, 64, D), (1, N2, 64, D), (1, N1, SQ, D)), dtype, 12)
+    qr, kr = random_tensors(((1, N1, SQ, dr), (1, N2, 64, dr)), dtype, 13)
+    scale = (D + dr) ** -0.5
+    out, smax, ssum = attngrad.flash_attention_score(q, k, v, N1, "BNSD", query_rope=qr, key_rope=kr,
+                                                     scale_value=scale)
+    qc, kc = torch.cat([q, qr], -1), torch.cat([k, kr], -1)
+    plan = AttentionPlan(scale=scale)
+    g_out, g_max, g_sum = flash_attention_forward_reference(qc, kc, v, plan)
+    assert_close(out, g_out, dtype)
+    assert_close(smax[..., 0], g_max, torch.float32)
+    assert_close(ssum[..., 0], g_sum, torch.float32)
+    dq, dk, dv, _, dqr, dkr, _ = attngrad.flash_attention_score_grad(
+        q, k, v, dy, N1, "BNSD", query_rope=qr, key_rope=kr, softmax_max=smax, softmax_sum=ssum, attention_in=out,
+        scale_value=scale)
+    g_dq, g_dk, g_dv = flash_attention_backward_reference(qc, kc, v, dy, out, smax[..., 0], ssum[..., 0], plan)
+    for got, want in ((dq, g_dq[..., :D]), (dk, g_dk[..., :D]), (dv, g_dv), (dqr, g_dq[..., D:]), (dkr, g_dk[..., D:])):
+        assert_close(got, want, dtype)
+
+
 def test_rope_with_pse_dropout_and_sink_equals_concatenated_fp32():
     """Every feature at once (pse, dropout, band mask, GQA, shared k_rope, sink): the rope path equals attngrad
     on the concatenated tensors (float32: same math, other GEMM split)."""

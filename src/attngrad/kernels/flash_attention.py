@@ -1297,10 +1297,10 @@ def _forward_tasks(sequences: list[Sequence], batches: int, heads: int) -> np.nd
     return np.ascontiguousarray(np.concatenate(units)[np.argsort(-np.concatenate(costs), kind="stable")])
 
 
-def _use_brgemm(q: torch.Tensor, d: int, dv: int) -> bool:
-    """torch's brgemm serves float32, and bfloat16 with even head dims (VNNI pairs), where it is usable
-    (:data:`.gemm.BRGEMM_DTYPES`)."""
-    return q.dtype in BRGEMM_DTYPES and (q.dtype == torch.float32 or (d % 2 == 0 and dv % 2 == 0))
+def _use_brgemm(q: torch.Tensor, d: int, dv: int, dr: int = 0) -> bool:
+    """torch's brgemm serves float32, and bfloat16 with even head dims (VNNI pairs; ``dr``: the rope dim of the
+    backward's ``[K | K_rope]`` rows, packed in pairs too), where it is usable (:data:`.gemm.BRGEMM_DTYPES`)."""
+    return q.dtype in BRGEMM_DTYPES and (q.dtype == torch.float32 or d % 2 == dv % 2 == dr % 2 == 0)
 
 
 def _pack_like(q: torch.Tensor) -> np.ndarray:
@@ -1496,7 +1496,7 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     dq, dk, dv = (torch.empty(like.shape, dtype=dtype) if t is None else _unit_rows(t)
                   for t, like in ((dq, q), (dk, k), (dv, v)))
     smax, ssum = (_view(t.detach().float(), in_place) for t in (softmax_max, softmax_sum))
-    packed = _use_brgemm(q, D, v.shape[3])
+    packed = _use_brgemm(q, D, v.shape[3], rope_operands[0].shape[3] if rope_operands else 0)
     qr, kr, has_rope = _rope_views(q, rope_operands, in_place)
     qrt = _transposed(rope_operands and rope_operands[0], packed, q)
     operands = BackwardOperands(qv, kv, vv, dyv, _transposed(q, packed, q), _transposed(dy, packed, q), smax, ssum,
