@@ -224,7 +224,7 @@ def _widened_product(a, b, b_pairs, a32, b32, c, on_brgemm):
 # ------------------------------------------------------------------------------------------- tile roofline
 def tile_tflops(dtype: torch.dtype, threads: int, seconds: float = 0.2) -> float:
     """TFLOP/s of the kernels' own GEMM on all ``threads`` at once: each thread multiplies the backward tile set
-    (module docstring) on its own ``dtype`` tiles (bfloat16 or float32), ``reps`` times over about ``seconds``,
+    (module docstring) on its own ``dtype`` tiles (bfloat16 or float32), over and over for about ``seconds``,
     through the native path (brgemm with B packed once, as the kernels pack a key block once for many query
     blocks; else MKL); best of five runs. A roofline for the kernels where torch's own GEMM is slower."""
     tiles = [_tile_operands(dtype, m, n, k) for _ in range(threads) for m, n, k in _TILE_SET]
