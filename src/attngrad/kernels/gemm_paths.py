@@ -227,13 +227,12 @@ def tile_tflops(dtype: torch.dtype, threads: int, seconds: float = 0.2) -> float
     (module docstring) on its own ``dtype`` tiles (bfloat16 or float32), over and over for about ``seconds``,
     through the native path (brgemm with B packed once, as the kernels pack a key block once for many query
     blocks; else MKL); best of five runs. A roofline for the kernels where torch's own GEMM is slower."""
-    tiles = [_tile_operands(dtype, m, n, k) for _ in range(threads) for m, n, k in _TILE_SET]
-    per_thread = len(_TILE_SET)
+    tiles = [[_tile_operands(dtype, m, n, k) for m, n, k in _TILE_SET] for _ in range(threads)]
     on_brgemm = dtype in BRGEMM_DTYPES
     flops = 2 * sum(m * n * k for m, n, k in _TILE_SET)
 
     def run(thread: int, reps: int) -> None:
-        for a, b, c in tiles[thread * per_thread:(thread + 1) * per_thread]:
+        for a, b, c in tiles[thread]:
             _repeated_products(a, b, c, reps, on_brgemm)
 
     run(0, 1)  # warm-up (and numba's compile on the first use)
