@@ -1081,7 +1081,8 @@ def _backward_scratch(q, d, dv, dr, packed, pack_like):
     pairs = block if per == 2 else 1  # K rows and the Pd / dS tiles are packed for VNNI pairs only
     tile = _BQ * _BK // per if packed and per == 2 else 1
     like = pack_like.dtype
-    rows = (_BK, 1 if packed else _BQ) if dr else (1, 1)  # the rope copies kk, qq
+    # the rope copies kk, qq; qq serves the tiles on MKL, in a packed bfloat16 call too (odd rows or columns)
+    rows = (_BK, _BQ) if dr else (1, 1)
     return BackwardScratch(aligned_empty((_BQ, _BK), np.float32), aligned_empty((_BQ, _BK), np.float32),
                            aligned_empty((_BQ, _BK), q.dtype), aligned_empty((_BQ, _BK), q.dtype),
                            aligned_empty((dqk, _BK), np.float32), aligned_empty((dv, _BK), np.float32),
