@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from attngrad.kernels.flash_attention import (Sequence, _backward_tasks, _forward_tasks, backward_chunks,
-                                              flash_attention_backward, flash_attention_forward)
+from attngrad.kernels.flash_attention import (Sequence, _backward_tasks, _forward_tasks, _transposed,
+                                              backward_chunks, flash_attention_backward, flash_attention_forward)
 from attngrad.kernels.flash_attention_plan import FLT_MAX, MASKED_LOGIT, AttentionPlan
 from attngrad.kernels.flash_attention_reference import (flash_attention_backward_reference,
                                                         flash_attention_forward_reference)
@@ -204,6 +204,17 @@ def test_strided_views_and_preallocated_outputs_match_contiguous(dtype, n1, n2, 
     got = flash_attention_backward(sq_, sk, sv, sdy, *got, plan, dq=grads[0][0], dk=grads[1][0], dv=grads[2][0])
     for g, w, (view, buf) in zip(got[:3], want[:3], grads):
         assert g is view and _same(g, w, dtype) and _untouched(buf, view)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("s,d", [(300, 40), (64, 128), (7, 17)])
+def test_transposed_copy_of_strided_and_contiguous_inputs(dtype, s, d):
+    """The backward's transposed copies (whole 16-blocks and edge blocks) equal torch's transpose bit for bit, from
+    a TND-like strided view and from a contiguous tensor."""
+    tnd = torch.randn(s, 3, d).to(dtype)
+    for t in (tnd.transpose(0, 1).unsqueeze(0), tnd.transpose(0, 1).unsqueeze(0).contiguous()):
+        got = torch.from_numpy(_transposed(t, True, t)).view(dtype)
+        assert got.shape == (1, 3, d, s) and torch.equal(got, t.transpose(-1, -2))
 
 
 def test_task_lists_cover_every_block_once_costliest_first():

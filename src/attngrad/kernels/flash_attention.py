@@ -113,6 +113,7 @@ _BK = 256  # key columns of a tile
 _FWD_BK = 512  # key columns of a forward tile (fewer online-softmax rescales of the accumulator)
 _EDGE_ROWS = 64  # query rows of the tiles across the visible region's edge (forward and backward)
 _ROWS_AHEAD = 2  # a dense pse or atten_mask row is prefetched this many rows ahead of its use
+_SQUARE = 16  # the backward's transposed copies move square blocks of this side through a local buffer
 _TARGET_TASKS = 16  # the backward splits keys into chunks until B*N2*chunks reaches this (when it can)
 _OUTSIDE, _INSIDE, _PARTIAL = 0, 1, 2
 
@@ -848,6 +849,31 @@ def _row_dot_kernel(dy, out, dr):
         dr[b, n, i] = acc
 
 
+@njit(**_KERNEL)
+def _transpose_kernel(x, out):
+    """out[b, n, d, s] = x[b, n, s, d] (out C-contiguous; x any strides), in tasks of 64 rows of one (b, n). Whole
+    _SQUARE-sided blocks pass through a local block with fixed trip counts, which LLVM turns into vector loads,
+    shuffles and stores; the edge blocks go element by element."""
+    B, N, S, D = x.shape
+    stripes = (S + 63) // 64
+    for task in prange(B * N * stripes):
+        b, n, s0 = task // (N * stripes), task // stripes % N, task % stripes * 64
+        block = np.empty((_SQUARE, _SQUARE), x.dtype)
+        for d0 in range(0, D, _SQUARE):
+            for i0 in range(s0, min(s0 + 64, S), _SQUARE):
+                if i0 + _SQUARE <= S and d0 + _SQUARE <= D:
+                    for i in range(_SQUARE):
+                        for d in range(_SQUARE):
+                            block[d, i] = x[b, n, i0 + i, d0 + d]
+                    for d in range(_SQUARE):
+                        for i in range(_SQUARE):
+                            out[b, n, d0 + d, i0 + i] = block[d, i]
+                else:
+                    for d in range(d0, min(d0 + _SQUARE, D)):
+                        for i in range(i0, min(i0 + _SQUARE, S)):
+                            out[b, n, d, i] = x[b, n, i, d]
+
+
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
 def _backward_tile(work, tile, general, plan, ops, dpse):
     """work.s holds QK^T, work.dp dY V^T: P = exp(S - max) * (1 / sum); Pd = P M / keep_prob -> work.pt and
@@ -1385,7 +1411,9 @@ def _transposed(t: torch.Tensor | None, packed: bool, like: torch.Tensor) -> np.
     """t^T ``[B, N, D, S]`` (a contiguous copy): an A operand of the backward's dK (Q^T, Q_rope^T) and dV (dY^T)
     brgemm (``packed``, :func:`_use_brgemm`), else a placeholder of like's type."""
     if packed and t is not None:
-        return kernel_view(t.transpose(-1, -2).contiguous())
+        out = kernel_view(new_output((*t.shape[:2], t.shape[3], t.shape[2]), t.dtype))
+        _transpose_kernel(kernel_view(t), out)
+        return out
     return kernel_view(like.new_zeros(1, 1, 1, 1))
 
 
