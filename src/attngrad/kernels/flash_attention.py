@@ -23,10 +23,11 @@ float32. Query head n reads kv head ``n // G`` with ``G = N1 // N2``. The math (
 * rope parts (MLA, optional): ``q_rope [B, N1, Sq, Dr]`` / ``k_rope [B, N2 or 1, Skv, Dr]``: the scores are
   ``[q, q_rope] [k, k_rope]^T``, so ``[dq, dq_rope] = scale * dS [k, k_rope]`` and ``[dk, dk_rope] = scale *
   dS^T [q, q_rope]``. The forward adds ``q_rope k_rope^T`` to each fp32 score tile by a second GEMM
-  (:func:`_add_rope_scores`); the backward concatenates a tile's worth of rows (:func:`_key_rows`,
-  :func:`_query_rows`: never the whole sequence) and runs the plain path's five GEMMs on them, with dQ and dK
-  accumulators of width D + Dr split when written out (a shared k_rope head gets the per-kv-head dk_rope
-  summed afterwards);
+  (:func:`_add_rope_scores`; on the brgemm from K_rope packed after K, :func:`_add_packed_rope_scores`); on MKL
+  the backward concatenates a tile's worth of rows (:func:`_key_rows`, :func:`_query_rows`: never the whole
+  sequence) and runs the plain path's five GEMMs on them, on the brgemm it adds the rope parts by extra calls;
+  dQ and dK accumulators of width D + Dr are split when written out (a shared k_rope head gets the per-kv-head
+  dk_rope summed afterwards);
 * sink (optional, ``plan.sink`` float32 [N1]): the forward's running max starts at ``sink[n]`` and its sum at 1
   (one more logit without a value); the backward needs nothing new (dsink is computed by the contract).
 
@@ -663,11 +664,12 @@ def _pack_tile(t, rows, cols, out):
 
 
 @njit(**_KERNEL)
-def _pack_kv_kernel(k, v, kt, vt, table):
+def _pack_kv_kernel(k, v, kr, rope, kt, vt, table):
     """K and V key blocks (``_FWD_BK`` keys of a sequence of ``table``) packed for the forward's brgemm:
-    ``kt[b, n2, g]`` the B of QK^T (:func:`_pack_transposed`) and, for bfloat16, ``vt[b, n2, g]`` the B of PV
-    (:func:`_pack_rows`; a block with an odd column count is left out: MKL takes it; float32 reads V in place); g
-    counts the blocks of all sequences, sequence s's from ``table.rows[s, 4]``."""
+    ``kt[b, n2, g]`` the B of QK^T (:func:`_pack_transposed`; with ``rope`` the B of ``[Q | Q_rope] [K |
+    K_rope]^T``: K_rope^T's rows after K^T's, a single k_rope head serving every head) and, for bfloat16,
+    ``vt[b, n2, g]`` the B of PV (:func:`_pack_rows`; a block with an odd column count is left out: MKL takes
+    it; float32 reads V in place); g counts the blocks of all sequences, sequence s's from ``table.rows[s, 4]``."""
     B, N2 = k.shape[:2]
     blocks = kt.shape[2]
     starts = np.ascontiguousarray(table.rows[:, 4])
@@ -680,6 +682,9 @@ def _pack_kv_kernel(k, v, kt, vt, table):
         j0 = (g - starts[s]) * _FWD_BK
         cols = min(_FWD_BK, k1 - k0 - j0)
         _pack_transposed(k, b, n2, k0 + j0, cols, kt[b, n2, g])
+        if rope:
+            rope_rows = kt[b, n2, g][k.shape[3] * cols // (kt.itemsize // k.itemsize):]
+            _pack_transposed(kr, b, n2 if kr.shape[1] > 1 else 0, k0 + j0, cols, rope_rows)
         if _pairs(v) and cols % 2 == 0:
             _pack_rows(v, b, n2, k0 + j0, cols, vt[b, n2, g])
 
@@ -746,11 +751,13 @@ def _forward_visible_tile(ops, plan, work, tile, n2, block, kind, first):
     if on_brgemm:
         kt = (row_address(ops.kt, b, n2, j0 // BK), block)
         brgemm(q, rows, cols, q.shape[3], _matrix(q, b, n, i0), kt, _scratch(s), False)
+        if ops.rope:
+            _add_packed_rope_scores(ops, tile, kt, s)
     else:
         gemm(q, NO_TRANS, TRANS, rows, cols, q.shape[3], _matrix(q, b, n, i0), _matrix(ops.k, b, n2, j0), _scratch(s),
              False)
-    if ops.rope:
-        _add_rope_scores(ops, tile, n2, s)
+        if ops.rope:
+            _add_rope_scores(ops, tile, n2, s)
     _forward_tile(work, tile, plan.has_mask or kind != _INSIDE, plan)
     Dv = v.shape[3]
     if on_brgemm:
@@ -769,6 +776,17 @@ def _add_rope_scores(ops, tile, n2, s):
     nr = n2 if kr.shape[1] > 1 else 0
     gemm(qr, NO_TRANS, TRANS, rows, cols, qr.shape[3], _matrix(qr, b, n, i0), _matrix(kr, b, nr, j0), _scratch(s),
          True)
+
+
+@njit(inline="always")
+def _add_packed_rope_scores(ops, tile, kt, s):
+    """:func:`_add_rope_scores` on the brgemm: K_rope^T from the rows after K^T's in the packed ``[K | K_rope]^T``
+    block ``kt`` (address, width; :func:`_pack_kv_kernel`, :func:`_pack_key_block`)."""
+    q, qr = ops.q, ops.qr
+    b, n, i0, rows, _, cols = tile
+    address, block = kt
+    brgemm(q, rows, cols, qr.shape[3], _matrix(qr, b, n, i0), (address + q.shape[3] * q.itemsize * block, block),
+           _scratch(s), True)
 
 
 @njit(inline="always")
@@ -993,10 +1011,8 @@ def _score_gemms(ops, tile, n2, queries, keys, on_brgemm, work):
     if on_brgemm:
         block = min(work.s.shape[1], v.shape[2] - j0)  # the packed K^T / V^T row stride: the key block's width
         brgemm(q, rows, cols, dqk, qp, (work.kt.ctypes.data, block), _scratch(work.s), False)
-        if ops.rope:  # + Q_rope K_rope^T from the trailing rows of the packed [K | K_rope]^T
-            rope_rows = work.kt.ctypes.data + dqk * work.kt.itemsize // _per_packed(q, work.kt) * block
-            brgemm(q, rows, cols, ops.qr.shape[3], _matrix(ops.qr, b, n, i0), (rope_rows, block), _scratch(work.s),
-                   True)
+        if ops.rope:
+            _add_packed_rope_scores(ops, tile, (work.kt.ctypes.data, block), work.s)
         brgemm(q, rows, cols, v.shape[3], dyp, (work.vt.ctypes.data, block), _scratch(work.dp), False)
     else:
         gemm(q, NO_TRANS, TRANS, rows, cols, dqk, qp, _matrix(y, kb, kn, kj), _scratch(work.s), False)
@@ -1350,13 +1366,14 @@ def _forward_operands(q: torch.Tensor, qv: np.ndarray, kv: np.ndarray, vv: np.nd
     b, n2, _, d = kv.shape
     like = _pack_like(q)
     placeholder = np.zeros((1, 1, 1, 1), like.dtype)
-    if not _use_brgemm(q, d, vv.shape[3]):
+    dr = rope[0].shape[3] if rope[2] else 0
+    if not _use_brgemm(q, d, vv.shape[3], dr):
         return ForwardOperands(qv, kv, vv, placeholder, placeholder, False, *rope)
     blocks = int(table.rows[-1, 4] + -(-(table.rows[-1, 3] - table.rows[-1, 2]) // _FWD_BK))
     per = like.itemsize // q.element_size()  # input elements per packed element (2: VNNI pairs)
-    kt = np.empty((b, n2, blocks, _FWD_BK * d // per), like.dtype)
+    kt = np.empty((b, n2, blocks, _FWD_BK * (d + dr) // per), like.dtype)
     vt = np.empty((b, n2, blocks, _FWD_BK * vv.shape[3] // per), like.dtype) if per == 2 else placeholder
-    launch_strided(_pack_kv_kernel, kv, vv, kt, vt, table, exact=(2, 3, 4))
+    launch_strided(_pack_kv_kernel, kv, vv, rope[1], rope[2], kt, vt, table, exact=(4, 5, 6))
     return ForwardOperands(qv, kv, vv, kt, vt, True, *rope)
 
 
