@@ -207,7 +207,7 @@ class ForwardOperands(NamedTuple):
     q: np.ndarray
     k: np.ndarray
     v: np.ndarray
-    kt: np.ndarray  # [B, N2, blocks, _FWD_BK * D / per]: the B operands of QK^T
+    kt: np.ndarray  # [B, N2, blocks, _FWD_BK * (D + Dr or D) / per]: the B operands of QK^T (:func:`_pack_kv_kernel`)
     vt: np.ndarray  # bfloat16: [B, N2, blocks, _FWD_BK * Dv / 2] VNNI pairs, the B operands of PV
     packed: bool
     qr: np.ndarray
@@ -748,16 +748,16 @@ def _forward_visible_tile(ops, plan, work, tile, n2, block, kind, first):
     s, p, acc = work.s, work.p, work.acc
     BK = s.shape[1]
     on_brgemm = ops.packed and (block % 2 == 0 or not _pairs(q))
+    kt = (row_address(ops.kt, b, n2, j0 // BK), block)
     if on_brgemm:
-        kt = (row_address(ops.kt, b, n2, j0 // BK), block)
         brgemm(q, rows, cols, q.shape[3], _matrix(q, b, n, i0), kt, _scratch(s), False)
-        if ops.rope:
-            _add_packed_rope_scores(ops, tile, kt, s)
     else:
         gemm(q, NO_TRANS, TRANS, rows, cols, q.shape[3], _matrix(q, b, n, i0), _matrix(ops.k, b, n2, j0), _scratch(s),
              False)
-        if ops.rope:
-            _add_rope_scores(ops, tile, n2, s)
+    if ops.rope and on_brgemm and ops.kt.shape[3] > BK * q.shape[3] // _per_packed(q, ops.kt):
+        _add_packed_rope_scores(ops, tile, kt, s)  # kt holds K_rope^T after K^T (:func:`_forward_operands`)
+    elif ops.rope:
+        _add_rope_scores(ops, tile, n2, s)
     _forward_tile(work, tile, plan.has_mask or kind != _INSIDE, plan)
     Dv = v.shape[3]
     if on_brgemm:
@@ -1362,18 +1362,22 @@ def _rope_views(q: torch.Tensor, rope: tuple | None, in_place: bool) -> tuple[np
 def _forward_operands(q: torch.Tensor, qv: np.ndarray, kv: np.ndarray, vv: np.ndarray, rope: tuple,
                       table: SequenceTable) -> ForwardOperands:
     """The forward's operands: K and V packed for the brgemm (:func:`_use_brgemm`; float32 needs K^T only, V is
-    read in place), the key blocks of the sequences of ``table``, else placeholders; ``rope``: :func:`_rope_views`."""
+    read in place), the key blocks of the sequences of ``table``, else placeholders; ``rope``: :func:`_rope_views`.
+
+    bfloat16 packs K_rope^T after K^T (an even Dr) for the rope product on the brgemm, where MKL would pack
+    K_rope on every call; float32 leaves that product to MKL's sgemm, faster there for k = Dr (see
+    docs/performance.md, 'MLA rope and attention sink')."""
     b, n2, _, d = kv.shape
     like = _pack_like(q)
     placeholder = np.zeros((1, 1, 1, 1), like.dtype)
-    dr = rope[0].shape[3] if rope[2] else 0
-    if not _use_brgemm(q, d, vv.shape[3], dr):
+    if not _use_brgemm(q, d, vv.shape[3]):
         return ForwardOperands(qv, kv, vv, placeholder, placeholder, False, *rope)
     blocks = int(table.rows[-1, 4] + -(-(table.rows[-1, 3] - table.rows[-1, 2]) // _FWD_BK))
     per = like.itemsize // q.element_size()  # input elements per packed element (2: VNNI pairs)
+    dr = rope[0].shape[3] if rope[2] and per == 2 and _use_brgemm(q, d, vv.shape[3], rope[0].shape[3]) else 0
     kt = np.empty((b, n2, blocks, _FWD_BK * (d + dr) // per), like.dtype)
     vt = np.empty((b, n2, blocks, _FWD_BK * vv.shape[3] // per), like.dtype) if per == 2 else placeholder
-    launch_strided(_pack_kv_kernel, kv, vv, rope[1], rope[2], kt, vt, table, exact=(4, 5, 6))
+    launch_strided(_pack_kv_kernel, kv, vv, rope[1], dr > 0, kt, vt, table, exact=(4, 5, 6))
     return ForwardOperands(qv, kv, vv, kt, vt, True, *rope)
 
 
