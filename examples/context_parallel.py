@@ -104,6 +104,17 @@ def _rank_main(rank: int, world: int, port: int) -> None:
         train(rank, world)
     finally:
         dist.destroy_process_group()
+    leave_rank()
+
+
+def leave_rank() -> None:
+    """End this rank's process without interpreter shutdown. gloo's worker threads release a finished
+    collective's tensors a moment after the caller resumes; one that does so during shutdown aborts the process
+    when it takes the GIL ("terminate called without an active exception"). Only after a successful run: an
+    exception still propagates and fails the rank."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _free_port() -> int:
@@ -120,7 +131,7 @@ def main() -> int:
             train(dist.get_rank(), dist.get_world_size())
         finally:
             dist.destroy_process_group()
-        return 0
+        leave_rank()
     print(f"causal LM, one sequence of {SEQ} tokens over {WORLD} ranks (zigzag shards), "
           f"ln({VOCAB}) = {math.log(VOCAB):.2f}", flush=True)
     mp.spawn(_rank_main, args=(WORLD, _free_port()), nprocs=WORLD, join=True)
