@@ -41,9 +41,10 @@ THREAD_VARIABLES = ("NUMBA_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
 MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536"}   # freed buffers leave the RSS: it follows the live bytes
 
 _CHILD = """
-import json, sys
+import json, os, sys
 from attngrad.benchmarks.bench_ring import rank_step
-print(json.dumps(rank_step(*sys.argv[1:])))
+print(json.dumps(rank_step(*sys.argv[1:])), flush=True)
+os._exit(0)  # skips interpreter shutdown, where a gloo worker releasing tensors aborts (docs/context-parallel.md)
 """
 
 
