@@ -683,7 +683,7 @@ def _pack_kv_kernel(k, v, kr, rope, kt, vt, table):
         cols = min(_FWD_BK, k1 - k0 - j0)
         _pack_transposed(k, b, n2, k0 + j0, cols, kt[b, n2, g])
         if rope:
-            rope_rows = kt[b, n2, g][k.shape[3] * cols // (kt.itemsize // k.itemsize):]
+            rope_rows = kt[b, n2, g][k.shape[3] * cols // _per_packed(k, kt):]
             _pack_transposed(kr, b, n2 if kr.shape[1] > 1 else 0, k0 + j0, cols, rope_rows)
         if _pairs(v) and cols % 2 == 0:
             _pack_rows(v, b, n2, k0 + j0, cols, vt[b, n2, g])
@@ -869,16 +869,17 @@ def _row_dot_kernel(dy, out, dr):
 
 @njit(**_KERNEL)
 def _transpose_kernel(x, out):
-    """out[b, n, d, s] = x[b, n, s, d] (out C-contiguous; x any strides), in tasks of 64 rows of one (b, n). Whole
-    _SQUARE-sided blocks pass through a local block with fixed trip counts, which LLVM turns into vector loads,
-    shuffles and stores; the edge blocks go element by element."""
+    """out[b, n, d, s] = x[b, n, s, d] (out C-contiguous; x any strides), in tasks of ``stripe`` rows of one
+    (b, n). Whole _SQUARE-sided blocks pass through a local block with fixed trip counts, which LLVM turns into
+    vector loads, shuffles and stores; the edge blocks go element by element."""
     B, N, S, D = x.shape
-    stripes = (S + 63) // 64
+    stripe = 4 * _SQUARE
+    stripes = (S + stripe - 1) // stripe
     for task in prange(B * N * stripes):
-        b, n, s0 = task // (N * stripes), task // stripes % N, task % stripes * 64
+        b, n, s0 = task // (N * stripes), task // stripes % N, task % stripes * stripe
         block = np.empty((_SQUARE, _SQUARE), x.dtype)
         for d0 in range(0, D, _SQUARE):
-            for i0 in range(s0, min(s0 + 64, S), _SQUARE):
+            for i0 in range(s0, min(s0 + stripe, S), _SQUARE):
                 if i0 + _SQUARE <= S and d0 + _SQUARE <= D:
                     for i in range(_SQUARE):
                         for d in range(_SQUARE):
