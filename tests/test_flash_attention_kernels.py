@@ -9,7 +9,7 @@ import torch
 
 from attngrad.kernels.flash_attention import (Sequence, _backward_tasks, _forward_tasks, _transposed,
                                               backward_chunks, flash_attention_backward, flash_attention_forward)
-from attngrad.kernels.flash_attention_plan import FLT_MAX, MASKED_LOGIT, AttentionPlan
+from attngrad.kernels.flash_attention_plan import FLT_MAX, MASKED_LOGIT, UNBOUNDED_TOKENS, AttentionPlan
 from attngrad.kernels.flash_attention_reference import (flash_attention_backward_reference,
                                                         flash_attention_forward_reference)
 from attngrad.kernels.gemm import _gemm_for_test
@@ -108,17 +108,20 @@ def test_band_and_mask(dtype, pre, nxt):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("invalid_rows", [False, True])
-def test_fully_masked_rows(dtype, invalid_rows):
-    """Rows without any visible key: uniform P (sum = Skv) or invalid-row mode; never nan in the grad."""
-    q, k, v, dy = attention_inputs("BNSD", 1, 2, 2, 270, 300, 32, 32, dtype)
-    mask = torch.zeros(1, 1, 270, 300, dtype=torch.bool)
+@pytest.mark.parametrize("sq,skv,pre", [(270, 300, UNBOUNDED_TOKENS), (192, 192, 30)])
+def test_fully_masked_rows(dtype, invalid_rows, sq, skv, pre):
+    """Rows without any visible key: uniform P (sum = Skv) or invalid-row mode; never nan in the grad. The
+    band skips keys of rows that the mask empties, in whole tiles and in the edge tiles' trimmed columns (192: one
+    query block, whose key block the band does not cut as a whole)."""
+    q, k, v, dy = attention_inputs("BNSD", 1, 2, 2, sq, skv, 32, 32, dtype)
+    mask = torch.zeros(1, 1, sq, skv, dtype=torch.bool)
     mask[..., 5, :] = True
-    mask[..., 260:, :] = True
-    plan = AttentionPlan(scale=0.2, atten_mask=mask, next_tokens=0, invalid_rows=invalid_rows)
+    mask[..., sq - 10:, :] = True
+    plan = AttentionPlan(scale=0.2, atten_mask=mask, pre_tokens=pre, next_tokens=0, invalid_rows=invalid_rows)
     _check_forward(q, k, v, plan)
     _, smax, ssum = flash_attention_forward(q, k, v, plan)
     assert (smax[..., 5] == MASKED_LOGIT).all()
-    assert (ssum[..., 5] == (FLT_MAX if invalid_rows else 300)).all()
+    assert (ssum[..., 5] == (FLT_MAX if invalid_rows else skv)).all()
     grads = _check_backward(q, k, v, dy, plan)
     assert all(not g.float().isnan().any() for g in grads[:3])
 

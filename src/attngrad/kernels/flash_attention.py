@@ -691,9 +691,11 @@ def _pack_kv_kernel(k, v, kr, rope, kt, vt, table):
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
 def _forward_block(ops, plan, b, n, i0, rows, allow_skip, work):
-    """Query rows [i0, i0 + rows) of (b, n) over all key blocks, into work.acc / m / l; returns True when a tile
-    outside the visible region was skipped (``allow_skip``). With ``allow_skip`` a tile across the visible
-    region's edge (the causal diagonal) runs as tiles of _EDGE_ROWS rows, each cut to its visible columns."""
+    """Query rows [i0, i0 + rows) of (b, n) over all key blocks, into work.acc / m / l; returns True when keys
+    were left out (``allow_skip``: tiles outside the visible region skipped, or cut to their visible columns,
+    the edge tiles' included), so that a fully masked row must be redone over all keys. With ``allow_skip`` a
+    tile across the visible region's edge (the causal diagonal) runs as tiles of _EDGE_ROWS rows, each cut to its
+    visible columns."""
     plan = _unowned_plan(plan)
     k = ops.k
     acc = work.acc
@@ -728,7 +730,9 @@ def _forward_block(ops, plan, b, n, i0, rows, allow_skip, work):
             part = min(_EDGE_ROWS, rows - g0)
             part_cols = _visible_cols(i0 + g0, part, j0, block, plan.nxt, plan.prefix[b])
             part_kind = _tile_kind(i0 + g0, part, j0, part_cols, plan.pre, plan.nxt, plan.prefix[b])
+            skipped |= part_cols < block
             if part_cols == 0 or part_kind == _OUTSIDE:
+                skipped = True
                 continue
             part_work = ForwardScratch(work.s[g0:], work.p[g0:], acc[g0:], work.m[g0:], work.l[g0:])
             _forward_visible_tile(ops, plan, part_work, Tile(b, n, i0 + g0, part, j0, part_cols), n2, block,
