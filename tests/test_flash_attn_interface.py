@@ -98,6 +98,7 @@ CASES = {
     "alibi-causal-sq<sk": (12, 20, {"causal": True, "alibi": (2, HEADS)}),
     "alibi-sq>sk-blocks": (27, 12, {"alibi": (HEADS,)}),
     "alibi-window-sq>sk-blocks": (27, 12, {"window_size": (5, 3), "alibi": (HEADS,)}),
+    "alibi-sq>>sk-150-blocks": (300, 2, {"alibi": (HEADS,)}),  # dK / dV of the blocks summed in fp32
 }
 
 

@@ -129,6 +129,7 @@ def _alibi_square_blocks(att: _Attention, q, k, v, offset):
     b, sq, h, _ = q.shape
     skv = k.shape[1]
     pieces = []
+    key, value = _summed_in_fp32(k), _summed_in_fp32(v)
     for index, end in enumerate(range(sq, 0, -skv)):
         start, shift = max(end - skv, 0), end - sq
         band = att.window and tuple(UNBOUNDED_TOKENS if side == UNBOUNDED_TOKENS else side + sign * shift
@@ -138,11 +139,21 @@ def _alibi_square_blocks(att: _Attention, q, k, v, offset):
             continue
         pad = skv - (end - start)
         rows = torch.cat([q.new_zeros(b, pad, h, q.shape[3]), q[:, start:end]], 1) if pad else q[:, start:end]
-        out, smax, ssum = att.run(rows, k, v, "BSND", offset=offset + index * b * h * skv * skv, window=band,
-                                  q_start=shift)
+        out, smax, ssum = att.run(rows, key(), value(), "BSND", offset=offset + index * b * h * skv * skv,
+                                  window=band, q_start=shift)
         pieces.append((out[:, pad:], smax[:, :, pad:], ssum[:, :, pad:]))
     out, smax, ssum = zip(*reversed(pieces))
     return torch.cat(out, 1), torch.cat(smax, 2), torch.cat(ssum, 2)
+
+
+def _summed_in_fp32(t: torch.Tensor):
+    """A function giving ``t`` (same values and dtype) for each of several uses whose gradients autograd then sums
+    in float32, rounding once to t's dtype (flash-attn accumulates dK / dV in float32): each use is its own cast
+    of one float32 copy (exact both ways). Without autograd, or for float32, ``t`` itself."""
+    if t.dtype == torch.float32 or not (torch.is_grad_enabled() and t.requires_grad):
+        return lambda: t
+    wide = t.float()
+    return lambda: wide.to(t.dtype)
 
 
 def _rows_without_keys(att: _Attention, q, v, rows: int):
