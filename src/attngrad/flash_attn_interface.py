@@ -129,7 +129,9 @@ def _alibi_square_blocks(att: _Attention, q, k, v, offset):
     b, sq, h, _ = q.shape
     skv = k.shape[1]
     pieces = []
-    key, value = _summed_in_fp32(k), _summed_in_fp32(v)
+    # each block takes its own cast of one float32 copy of k and v (exact both ways), so that autograd sums the
+    # blocks' dK / dV in float32 and rounds once, as flash-attn accumulates them
+    key, value = _widened_for_grad(k), _widened_for_grad(v)
     for index, end in enumerate(range(sq, 0, -skv)):
         start, shift = max(end - skv, 0), end - sq
         band = att.window and tuple(UNBOUNDED_TOKENS if side == UNBOUNDED_TOKENS else side + sign * shift
@@ -139,21 +141,17 @@ def _alibi_square_blocks(att: _Attention, q, k, v, offset):
             continue
         pad = skv - (end - start)
         rows = torch.cat([q.new_zeros(b, pad, h, q.shape[3]), q[:, start:end]], 1) if pad else q[:, start:end]
-        out, smax, ssum = att.run(rows, key(), value(), "BSND", offset=offset + index * b * h * skv * skv,
-                                  window=band, q_start=shift)
+        out, smax, ssum = att.run(rows, key.to(k.dtype), value.to(v.dtype), "BSND",
+                                  offset=offset + index * b * h * skv * skv, window=band, q_start=shift)
         pieces.append((out[:, pad:], smax[:, :, pad:], ssum[:, :, pad:]))
     out, smax, ssum = zip(*reversed(pieces))
     return torch.cat(out, 1), torch.cat(smax, 2), torch.cat(ssum, 2)
 
 
-def _summed_in_fp32(t: torch.Tensor):
-    """A function giving ``t`` (same values and dtype) for each of several uses whose gradients autograd then sums
-    in float32, rounding once to t's dtype (flash-attn accumulates dK / dV in float32): each use is its own cast
-    of one float32 copy (exact both ways). Without autograd, or for float32, ``t`` itself."""
-    if t.dtype == torch.float32 or not (torch.is_grad_enabled() and t.requires_grad):
-        return lambda: t
-    wide = t.float()
-    return lambda: wide.to(t.dtype)
+def _widened_for_grad(t: torch.Tensor) -> torch.Tensor:
+    """t as float32 where autograd will take its gradient, else t itself (``.to(t.dtype)`` of the result is then
+    t, no copy)."""
+    return t.float() if torch.is_grad_enabled() and t.requires_grad else t
 
 
 def _rows_without_keys(att: _Attention, q, v, rows: int):
