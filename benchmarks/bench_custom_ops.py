@@ -18,6 +18,7 @@ from attngrad.ops import scaled_masked_softmax as softmax_contract
 from attngrad.ops.flash_attention import check_backward, check_forward, run_backward, run_forward
 from attngrad.ops.flash_attention_core import split_kwargs
 
+OPS = ("FlashAttentionScore", "FlashAttentionScoreGrad", "ScaledMaskedSoftmax", "AttentionBlock step")
 _DIRECT = "direct contract call (no custom op)"
 
 

@@ -22,6 +22,8 @@ from attngrad import exp_segsum, exp_segsum_backward
 from attngrad.bench import BenchCase
 from attngrad.ops.exp_segsum import backward_kernel, forward_kernel
 
+OPS = ("ExpSegsum", "ExpSegsumBackward")
+
 
 def torch_exp_segsum(x: torch.Tensor) -> torch.Tensor:
     """Spec D.2 / E (vectorised reference) in fp32, cast to x's dtype."""

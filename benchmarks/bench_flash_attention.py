@@ -40,6 +40,7 @@ from attngrad.ops.flash_attention_core import split_kwargs
 
 _TRIU = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
 _PEER = "torch sdpa flash (C++)"
+OPS = ("FlashAttentionScore", "FlashAttentionScoreGrad")
 
 
 def _torch_flash(q, k, v, causal=False, mask=None):

@@ -25,6 +25,7 @@ from attngrad.ops import flash_attention_varlen as varlen
 from attngrad.ops.flash_attention_core import split_kwargs
 
 HEADS, HEAD_DIM = 8, 128
+OPS = ("FlashAttentionVarLenScore", "FlashAttentionUnpaddingScoreGrad")
 CAUSAL_MASK = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
 
 

@@ -18,6 +18,7 @@ from attngrad import scaled_masked_softmax, scaled_masked_softmax_backward
 from attngrad.bench import BenchCase
 from attngrad.ops.scaled_masked_softmax import backward_kernel, forward_kernel
 
+OPS = ("ScaledMaskedSoftmax", "ScaledMaskedSoftmaxBackward")
 SCALE = 0.5
 MASK_VALUE = -10000.0
 

@@ -8,6 +8,7 @@ the plots, the scaling helpers (stop rules, slope fit, plot) and the first-call 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import types
@@ -87,16 +88,23 @@ def test_best_time_takes_the_minimum_after_warmup():
     assert len(calls) == 6
 
 
-@pytest.mark.parametrize("argv, expected", [
+@pytest.mark.parametrize("argv, expected, modules", [
     ((), {"ScaledMaskedSoftmax", "ScaledMaskedSoftmaxBackward", "ExpSegsum", "ExpSegsumBackward",
-          "FlashAttentionScore", "FlashAttentionScoreGrad"}),
-    (("--op", "scaledmasked"), {"ScaledMaskedSoftmax", "ScaledMaskedSoftmaxBackward"}),
-    (("--op", "ExpSegsumBackward"), {"ExpSegsumBackward"}),
+          "FlashAttentionScore", "FlashAttentionScoreGrad"}, ()),
+    (("--op", "scaledmasked"), {"ScaledMaskedSoftmax", "ScaledMaskedSoftmaxBackward"},
+     ("custom_ops", "scaled_masked_softmax")),
+    (("--op", "ExpSegsumBackward"), {"ExpSegsumBackward"}, ("exp_segsum",)),
 ])
-def test_quick_selection_by_operator(argv, expected):
+def test_quick_selection_by_operator(argv, expected, modules, monkeypatch):
+    built = []
+    module_cases = bench._module_cases
+    monkeypatch.setattr(bench, "_module_cases", lambda name, quick: built.append(name) or module_cases(name, quick))
     cases = bench.collect_cases(parse("--quick", *argv))
     ops = {c.op for c in cases}
     assert ops >= expected if not argv else ops == expected
+    for name in built:  # each module declares the operators of its cases; only modules that can match are built
+        assert {c.op for c in module_cases(name, True)} == set(importlib.import_module(name).OPS)
+    assert (len(built) >= 5) if not argv else built == [f"attngrad.benchmarks.bench_{m}" for m in modules]
     assert all(next(iter(c.impls)).startswith("attngrad") for c in cases)
     assert all(c.bytes_moved or c.flops or c.roofline == "none" for c in cases)
     if not argv:  # the rope and sink cases can be run alone by their labels (cases are built once per process)

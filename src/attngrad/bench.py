@@ -171,14 +171,23 @@ def _module_cases(module_name: str, quick: bool) -> tuple[BenchCase, ...]:
     return tuple(module.cases(quick=quick)) if hasattr(module, "cases") else ()
 
 
+def _op_selected(op: str, args) -> bool:
+    return not args.op or any(o.lower() in op.lower() for o in args.op)
+
+
 def collect_cases(args) -> list[BenchCase]:
+    """The cases ``args`` select. A module whose ``OPS`` (the operators its cases time) none of the ``--op``
+    filters select is not built: building runs its kernels, a numba compile on a cold cache."""
     import attngrad.benchmarks as package
 
     dtypes = {getattr(torch, d) for d in args.dtype} if args.dtype else None
     cases = []
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
-        for case in _module_cases(f"{package.__name__}.{info.name}", args.quick):
-            if args.op and not any(o.lower() in case.op.lower() for o in args.op):
+        name = f"{package.__name__}.{info.name}"
+        if not any(_op_selected(op, args) for op in getattr(importlib.import_module(name), "OPS", ())):
+            continue
+        for case in _module_cases(name, args.quick):
+            if not _op_selected(case.op, args):
                 continue
             if dtypes and case.dtype not in dtypes:
                 continue
