@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from attngrad.kernels.flash_attention import (Sequence, _backward_tasks, _forward_tasks, _transposed,
-                                              backward_chunks, flash_attention_backward, flash_attention_forward)
+from attngrad.kernels.flash_attention import (Sequence, _backward_tasks, _chunk_bounds, _forward_tasks,
+                                              _transposed, backward_chunks, flash_attention_backward,
+                                              flash_attention_forward)
 from attngrad.kernels.flash_attention_plan import FLT_MAX, MASKED_LOGIT, UNBOUNDED_TOKENS, AttentionPlan
 from attngrad.kernels.flash_attention_reference import (flash_attention_backward_reference,
                                                         flash_attention_forward_reference)
@@ -232,11 +234,28 @@ def test_task_lists_cover_every_block_once_costliest_first():
     assert sorted(map(tuple, tasks.tolist())) == sorted(want)
     assert tasks[:, 0].tolist() == [1] * 8 + [0] * 4 + [2] * 2
     assert tasks[:4, 3].tolist() == [768, 512, 256, 0] and tasks[:8, 2].tolist() == [0] * 4 + [1] * 4
-    splits = [(1, 4), (1, 2), (1, 1)]
+    splits = [(1, 3), (1, 2), (1, 1)]
     tasks = _backward_tasks(sequences, splits, 2)
     want = {(s, 0, n, c) for s, (_, chunks) in enumerate(splits) for n in range(2) for c in range(chunks)}
-    assert sorted(map(tuple, tasks.tolist())) == sorted(want)
-    assert tasks[0].tolist() == [1, 0, 0, 0]  # the first chunk of the longest causal sequence sees the most rows
+    assert sorted(map(tuple, tasks[:, :4].tolist())) == sorted(want)
+    for s, (_, chunks) in enumerate(splits):  # each chunk a run of key blocks, together all blocks in order
+        bounds = sorted({tuple(t) for t in tasks[tasks[:, 0] == s][:, 3:].tolist()})
+        assert [b0 for _, b0, _ in bounds] + [bounds[-1][2]] == [0] + [b1 for _, _, b1 in bounds]
+        assert bounds[-1][2] == -(-(sequences[s].k1 - sequences[s].k0) // 256) and len(bounds) == chunks
+    assert tasks[0].tolist() == [1, 0, 0, 0, 0, 1]  # the longest causal sequence's first key block sees the most
+    # rows: a chunk of its own (the other 3 blocks, 900 rows less, make the second chunk)
+    assert tasks[2].tolist()[3:] == [1, 1, 4]
+
+
+def test_key_chunks_of_about_equal_cost():
+    """:func:`_chunk_bounds`: equal costs give equal runs (the earlier chunk the shorter on a tie); a causal
+    band's early blocks cost the most and get shorter chunks; never an empty chunk while blocks last."""
+    assert _chunk_bounds(np.ones(8), 2).tolist() == [0, 4, 8]
+    assert _chunk_bounds(np.ones(5), 2).tolist() == [0, 2, 5]
+    assert _chunk_bounds(np.arange(8, 0, -1), 2).tolist() == [0, 2, 8]  # 15 | 21 (even runs: 26 | 10)
+    assert _chunk_bounds(np.array([100, 1, 1, 1]), 3).tolist() == [0, 1, 2, 4]
+    assert _chunk_bounds(np.ones(2), 4).tolist() == [0, 1, 2, 2, 2]
+    assert _chunk_bounds(np.zeros(0), 1).tolist() == [0, 0]
 
 
 def test_one_launch_of_sequences_equals_each_alone_with_dpse():

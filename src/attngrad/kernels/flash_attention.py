@@ -53,7 +53,7 @@ Tiles and work split (both cores busy even for one head, results identical for a
   (:func:`_pack_kv_kernel`); plain tiles fuse the scale into the exp sweep (max, exp, rounding of P and the
   row sum in two sweeps of the row).
 * backward: one task per (b, n2, key chunk); a chunk is a fixed (shape-derived, thread-count
-  independent) range of key blocks. A task owns dK/dV of its key blocks (fp32 tile accumulators over
+  independent) run of key blocks, the runs of about equal cost (:func:`_chunk_bounds`). A task owns dK/dV of its key blocks (fp32 tile accumulators over
   the G heads and all query blocks, in a fixed order; stored transposed, ``[D, BK]``) and adds its dQ
   contribution into its own fp32 slice ``dq_acc[chunk]``; the slices are summed in chunk order at the end.
   A tile is cut to its leading columns that hold visible keys, and one across the visible region's edge
@@ -1158,16 +1158,14 @@ def _sequence_gradients(grads, table, s):
 
 
 @njit(inline="always")
-def _backward_task(ops, plan, grads, work, bt, batch_tasks, n2, chunk):
-    """Key chunk ``chunk`` of kv head n2 (of ``grads.dq_acc.shape[0]``) for the batches ``bt, bt + batch_tasks,
-    ...`` in order, key block by key block: dk / dv written, dQ and dpse summed into."""
+def _backward_task(ops, plan, grads, work, bt, batch_tasks, n2, chunk, kb0, kb1):
+    """Key chunk ``chunk`` (key blocks kb0 to kb1 - 1) of kv head n2 for the batches ``bt, bt + batch_tasks, ...``
+    in order, key block by key block: dk / dv written, dQ (into ``grads.dq_acc[chunk]``) and dpse summed into."""
     B, _, Skv, D = ops.k.shape
     Dv = ops.v.shape[3]
     dk, dv, dk_rope = grads.dk, grads.dv, grads.dkr
     dkt, dvt = work.dkt, work.dvt
-    chunks = grads.dq_acc.shape[0]
-    nkb = (Skv + _BK - 1) // _BK
-    for kb in range(chunk * nkb // chunks, (chunk + 1) * nkb // chunks):
+    for kb in range(kb0, kb1):
         j0 = kb * _BK
         for b in range(bt, B, batch_tasks):
             _backward_key_block(ops, plan, grads, work, b, n2, j0, chunk)
@@ -1186,7 +1184,7 @@ def _backward_task(ops, plan, grads, work, bt, batch_tasks, n2, chunk):
 @njit(**_KERNEL)
 def _backward_kernel(ops, plan, grads, pack_like, table, tasks, workers):
     """grads.dk / grads.dv (written in place) and the dQ slices / dpse of the sequences of ``table`` (summed into).
-    ``tasks`` int64 ``[T, 4]``: (sequence, bt, n2, chunk), handed out in that order, one at a time to ``workers``
+    ``tasks`` int64 ``[T, 6]``: (sequence, bt, n2, chunk, first key block, end key block), handed out in that order, one at a time to ``workers``
     threads (:func:`.threads.claim`; :func:`_backward_tasks`); a task runs :func:`_backward_task` with the sequence's
     batch_tasks (1: a batch-broadcast dpse is summed over b in one task). ``pack_like``: an array of the packed
     operands' element type."""
@@ -1199,7 +1197,7 @@ def _backward_kernel(ops, plan, grads, pack_like, table, tasks, workers):
             s = tasks[t, 0]
             _backward_task(_backward_operands(ops, table, s), _sequence_plan(plan, table, s),
                            _sequence_gradients(grads, table, s), work, tasks[t, 1], table.rows[s, 5], tasks[t, 2],
-                           tasks[t, 3])
+                           tasks[t, 3], tasks[t, 4], tasks[t, 5])
             t = claim(next_task)
         if ops.packed:
             brgemm_release()
@@ -1496,20 +1494,45 @@ def _dq_slices(shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
     return [flat[a:a + n].reshape(shape) for a, n, shape in zip(starts, sizes, shapes)]
 
 
+def _key_block_costs(seq: Sequence) -> np.ndarray:
+    """Estimated cost of each key block of a sequence's backward: its keys times the query rows their band sees
+    (counted at its first and last key; atten_mask and prefix ignored)."""
+    sq, skv = seq.q1 - seq.q0, seq.k1 - seq.k0
+    j0 = np.arange(0, skv, _BK)
+    j1 = np.minimum(j0 + _BK, skv)
+    band = (sq, seq.plan.next_tokens, seq.plan.pre_tokens)
+    return (j1 - j0) * (_band_count(j0, *band) + _band_count(j1 - 1, *band))
+
+
+def _chunk_bounds(costs: np.ndarray, chunks: int) -> np.ndarray:
+    """int64 ``[chunks + 1]``: the first key block of each chunk, then the block count. The chunks are runs of
+    blocks of about equal cost: each chunk ends where its cost comes nearest an equal share of the cost left
+    (the fewer blocks on a tie; no chunk empty unless there are more chunks than blocks). Under a causal band the first blocks, which every later row
+    sees, cost the most, and equal runs of blocks would leave threads waiting for them. Equal costs give equal
+    runs."""
+    running = np.cumsum(costs)
+    bounds = [0]
+    for c in range(1, chunks):
+        done = running[bounds[-1] - 1] if bounds[-1] else 0
+        target = done + (running[-1] - done) / (chunks - c + 1)
+        j = int(np.searchsorted(running, target))  # running[j] >= target: end after block j, or before it
+        j += 1 if j == 0 or running[j] - target < target - running[j - 1] else 0
+        bounds.append(min(len(costs), max(bounds[-1] + 1, min(j, len(costs) - chunks + c))))
+    return np.array(bounds + [len(costs)], np.int64)
+
+
 def _backward_tasks(sequences: list[Sequence], splits: list[tuple[int, int]], kv_heads: int) -> np.ndarray:
-    """int64 ``[T, 4]`` (sequence, bt, n2, chunk): every key chunk of every sequence, batch task and kv head, the
-    costliest first (keys times the query rows their band sees; a stable order among equals)."""
+    """int64 ``[T, 6]`` (sequence, bt, n2, chunk, first key block, end key block): every key chunk
+    (:func:`_chunk_bounds`) of every sequence, batch task and kv head, the costliest first (a stable order among
+    equals)."""
     tasks, costs = [], []
     for s, (seq, (batch_tasks, chunks)) in enumerate(zip(sequences, splits)):
-        sq, skv = seq.q1 - seq.q0, seq.k1 - seq.k0
-        blocks = -(-skv // _BK)
-        chunk = np.arange(chunks)
-        j0 = chunk * blocks // chunks * _BK
-        j1 = np.minimum((chunk + 1) * blocks // chunks * _BK, skv)
-        band = (sq, seq.plan.next_tokens, seq.plan.pre_tokens)
-        cost = (j1 - j0) * (_band_count(j0, *band) + _band_count(j1 - 1, *band))
-        bt, n2, c = (a.ravel() for a in np.meshgrid(np.arange(batch_tasks), np.arange(kv_heads), chunk, indexing="ij"))
-        tasks.append(np.stack([np.full(c.size, s), bt, n2, c], 1))
+        block_costs = _key_block_costs(seq)
+        bounds = _chunk_bounds(block_costs, chunks)
+        cost = np.diff(np.concatenate([[0], np.cumsum(block_costs)])[bounds])
+        bt, n2, c = (a.ravel() for a in np.meshgrid(np.arange(batch_tasks), np.arange(kv_heads), np.arange(chunks),
+                                                    indexing="ij"))
+        tasks.append(np.stack([np.full(c.size, s), bt, n2, c, bounds[c], bounds[c + 1]], 1))
         costs.append(cost[c])
     order = np.argsort(-np.concatenate(costs), kind="stable")
     return np.ascontiguousarray(np.concatenate(tasks)[order], dtype=np.int64)
