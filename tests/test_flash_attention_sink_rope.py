@@ -13,6 +13,7 @@ import torch
 import attngrad
 from attngrad import AclnnError, npu
 from attngrad.kernels.dropout import generate_drop_mask
+from attngrad.kernels.gemm import BRGEMM_DTYPES
 from attngrad.kernels.flash_attention_plan import AttentionPlan
 from attngrad.kernels.flash_attention_reference import (flash_attention_backward_reference,
                                                          flash_attention_forward_reference, keep_mask, logits)
@@ -168,6 +169,23 @@ def test_rope_even_key_blocks_matches_concatenated(dtype, dr):
     g_dq, g_dk, g_dv = flash_attention_backward_reference(qc, kc, v, dy, out, smax[..., 0], ssum[..., 0], plan)
     for got, want in ((dq, g_dq[..., :D]), (dk, g_dk[..., :D]), (dv, g_dv), (dqr, g_dq[..., D:]), (dkr, g_dk[..., D:])):
         assert_close(got, want, dtype)
+
+
+@pytest.mark.parametrize("sq,skv,mode", [(300, 300, 2), (520, 700, 0), (1000, 1000, 3)])
+def test_rope_forward_is_the_concatenated_product(sq, skv, mode):
+    """bfloat16 with an even Dr and even key blocks: where torch's brgemm serves bfloat16, each score tile is one
+    product of the task's ``[Q | Q_rope]`` rows and the packed ``[K | K_rope]^T`` (causal edge tiles too), so the
+    forward has the bits of attngrad's own forward on the concatenated tensors; elsewhere (two GEMMs) it is close."""
+    q, qr = random_tensors(((1, 2, sq, 128), (1, 2, sq, 64)), torch.bfloat16, 14)
+    k, v, kr = random_tensors(((1, 2, skv, 128), (1, 2, skv, 128), (1, 2, skv, 64)), torch.bfloat16, 15)
+    kw = dict(scale_value=0.1, **(dict(atten_mask=CAUSAL, sparse_mode=mode) if mode else {}))
+    fused = attngrad.flash_attention_score(q, k, v, 2, "BNSD", query_rope=qr, key_rope=kr, **kw)
+    joined = attngrad.flash_attention_score(torch.cat([q, qr], -1), torch.cat([k, kr], -1), v, 2, "BNSD", **kw)
+    for got, want in zip(fused[:3], joined[:3]):
+        if torch.bfloat16 in BRGEMM_DTYPES:
+            assert torch.equal(got, want)
+        else:
+            assert_close(got.float(), want.float(), got.dtype)
 
 
 def test_rope_with_pse_dropout_and_sink_equals_concatenated_fp32():

@@ -23,7 +23,8 @@ float32. Query head n reads kv head ``n // G`` with ``G = N1 // N2``. The math (
 * rope parts (MLA, optional): ``q_rope [B, N1, Sq, Dr]`` / ``k_rope [B, N2 or 1, Skv, Dr]``: the scores are
   ``[q, q_rope] [k, k_rope]^T``, so ``[dq, dq_rope] = scale * dS [k, k_rope]`` and ``[dk, dk_rope] = scale *
   dS^T [q, q_rope]``. The forward adds ``q_rope k_rope^T`` to each fp32 score tile by a second GEMM
-  (:func:`_add_rope_scores`; on the brgemm from K_rope packed after K, :func:`_add_packed_rope_scores`); on MKL
+  (:func:`_add_rope_scores`); on the brgemm, with K_rope^T packed after K^T, the tile's one score product takes
+  the task's ``[Q | Q_rope]`` rows (copied once per query block, :func:`_packed_rope`); on MKL
   the backward concatenates a tile's worth of rows (:func:`_key_rows`, :func:`_query_rows`: never the whole
   sequence) and runs the plain path's five GEMMs on them, on the brgemm it adds the rope parts by extra calls;
   dQ and dK accumulators of width D + Dr are split when written out (a shared k_rope head gets the per-kv-head
@@ -216,13 +217,15 @@ class ForwardOperands(NamedTuple):
 
 
 class ForwardScratch(NamedTuple):
-    """A forward task's tiles: fp32 scores s, P p (input dtype), fp32 accumulator acc, running max m and sum l."""
+    """A forward task's tiles: fp32 scores s, P p (input dtype), fp32 accumulator acc, running max m and sum l,
+    and with the rope product on the brgemm the task's ``[Q | Q_rope]`` rows qq."""
 
     s: np.ndarray  # [_BQ, _FWD_BK]
     p: np.ndarray  # [_BQ, _FWD_BK]
     acc: np.ndarray  # [_BQ, Dv]
     m: np.ndarray  # [_BQ]
     l: np.ndarray  # [_BQ]
+    qq: np.ndarray  # [1, 1, _BQ, D + Dr] (:func:`_packed_rope`), else [1, 1, 1, 1]
 
 
 class BackwardOperands(NamedTuple):
@@ -734,7 +737,8 @@ def _forward_block(ops, plan, b, n, i0, rows, allow_skip, work):
             if part_cols == 0 or part_kind == _OUTSIDE:
                 skipped = True
                 continue
-            part_work = ForwardScratch(work.s[g0:], work.p[g0:], acc[g0:], work.m[g0:], work.l[g0:])
+            part_work = ForwardScratch(work.s[g0:], work.p[g0:], acc[g0:], work.m[g0:], work.l[g0:],
+                                       work.qq[:, :, g0:])
             _forward_visible_tile(ops, plan, part_work, Tile(b, n, i0 + g0, part, j0, part_cols), n2, block,
                                   part_kind, False)
     return skipped
@@ -753,14 +757,15 @@ def _forward_visible_tile(ops, plan, work, tile, n2, block, kind, first):
     BK = s.shape[1]
     on_brgemm = ops.packed and (block % 2 == 0 or not _pairs(q))
     kt = (row_address(ops.kt, b, n2, j0 // BK), block)
-    if on_brgemm:
+    with_rope = on_brgemm and _packed_rope(ops)
+    if with_rope:  # one product [Q | Q_rope] [K | K_rope]^T: K_rope^T is packed after K^T
+        brgemm(q, rows, cols, work.qq.shape[3], _matrix(work.qq, 0, 0, 0), kt, _scratch(s), False)
+    elif on_brgemm:
         brgemm(q, rows, cols, q.shape[3], _matrix(q, b, n, i0), kt, _scratch(s), False)
     else:
         gemm(q, NO_TRANS, TRANS, rows, cols, q.shape[3], _matrix(q, b, n, i0), _matrix(ops.k, b, n2, j0), _scratch(s),
              False)
-    if ops.rope and on_brgemm and ops.kt.shape[3] > BK * q.shape[3] // _per_packed(q, ops.kt):
-        _add_packed_rope_scores(ops, tile, kt, s)  # kt holds K_rope^T after K^T (:func:`_forward_operands`)
-    elif ops.rope:
+    if ops.rope and not with_rope:
         _add_rope_scores(ops, tile, n2, s)
     _forward_tile(work, tile, plan.has_mask or kind != _INSIDE, plan)
     Dv = v.shape[3]
@@ -769,6 +774,13 @@ def _forward_visible_tile(ops, plan, work, tile, n2, block, kind, first):
         brgemm(q, rows, Dv, cols, _scratch(p), vp, _scratch(acc), not first)
     else:
         gemm(q, NO_TRANS, NO_TRANS, rows, Dv, cols, _scratch(p), _matrix(v, b, n2, j0), _scratch(acc), not first)
+
+
+@njit(inline="always")
+def _packed_rope(ops):
+    """Whether the forward's packed key blocks hold K_rope^T after K^T (:func:`_forward_operands`): the tiles on
+    the brgemm then take the rope part in their one score product, from the task's ``[Q | Q_rope]`` rows."""
+    return ops.rope and ops.packed and ops.kt.shape[3] > _FWD_BK * ops.q.shape[3] // _per_packed(ops.q, ops.kt)
 
 
 @njit(inline="always")
@@ -785,7 +797,7 @@ def _add_rope_scores(ops, tile, n2, s):
 @njit(inline="always")
 def _add_packed_rope_scores(ops, tile, kt, s):
     """:func:`_add_rope_scores` on the brgemm: K_rope^T from the rows after K^T's in the packed ``[K | K_rope]^T``
-    block ``kt`` (address, width; :func:`_pack_kv_kernel`, :func:`_pack_key_block`)."""
+    block ``kt`` (address, width; :func:`_pack_key_block`)."""
     q, qr = ops.q, ops.qr
     b, n, i0, rows, _, cols = tile
     address, block = kt
@@ -800,6 +812,8 @@ def _forward_task(ops, plan, out, smax, ssum, b, n, i0, work):
     rows = min(_BQ, ops.q.shape[2] - i0)
     Dv = ops.v.shape[3]
     m, l, acc = work.m, work.l, work.acc
+    if _packed_rope(ops):
+        _concatenate_rows(ops.q, ops.qr, b, n, n, i0, rows, work.qq)
     if _forward_block(ops, plan, b, n, i0, rows, True, work) and not plan.invalid_rows:
         for r in range(rows):  # a fully masked row sums exp(0) over ALL keys: redo without skipping
             if not m[r] > _NEG:
@@ -824,11 +838,13 @@ def _forward_task(ops, plan, out, smax, ssum, b, n, i0, work):
 
 
 @njit(inline="always")
-def _forward_scratch(q, dv):
+def _forward_scratch(ops):
     """A thread's :class:`ForwardScratch`, reused by its tasks."""
+    q = ops.q
+    qq = (1, 1, _BQ, q.shape[3] + ops.qr.shape[3]) if _packed_rope(ops) else (1, 1, 1, 1)
     return ForwardScratch(aligned_empty((_BQ, _FWD_BK), np.float32), aligned_empty((_BQ, _FWD_BK), q.dtype),
-                          aligned_empty((_BQ, dv), np.float32), aligned_empty((_BQ,), np.float32),
-                          aligned_empty((_BQ,), np.float32))
+                          aligned_empty((_BQ, ops.v.shape[3]), np.float32), aligned_empty((_BQ,), np.float32),
+                          aligned_empty((_BQ,), np.float32), aligned_empty(qq, q.dtype))
 
 
 @njit(inline="always")
@@ -847,7 +863,7 @@ def _forward_kernel(ops, plan, out, smax, ssum, table, tasks, workers):
     (:func:`.threads.claim`; :func:`_forward_tasks`)."""
     next_task = np.zeros(1, np.int64)
     for _ in prange(workers):
-        work = _forward_scratch(ops.q, ops.v.shape[3])
+        work = _forward_scratch(ops)
         t = claim(next_task)
         while t < tasks.shape[0]:
             s = tasks[t, 0]
