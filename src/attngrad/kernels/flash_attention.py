@@ -54,9 +54,10 @@ Tiles and work split (both cores busy even for one head, results identical for a
   (:func:`_pack_kv_kernel`); plain tiles fuse the scale into the exp sweep (max, exp, rounding of P and the
   row sum in two sweeps of the row).
 * backward: one task per (b, n2, key chunk); a chunk is a fixed (shape-derived, thread-count
-  independent) run of key blocks, the runs of about equal cost (:func:`_chunk_bounds`). A task owns dK/dV of its key blocks (fp32 tile accumulators over
-  the G heads and all query blocks, in a fixed order; stored transposed, ``[D, BK]``) and adds its dQ
-  contribution into its own fp32 slice ``dq_acc[chunk]``; the slices are summed in chunk order at the end.
+  independent) run of key blocks, the runs of about equal cost (:func:`_chunk_bounds`). A task owns dK/dV of
+  its key blocks (fp32 tile accumulators over the G heads and all query blocks, in a fixed order; stored
+  transposed, ``[D, BK]``) and adds its dQ contribution into its own fp32 slice ``dq_acc[chunk]``; the slices
+  are summed in chunk order at the end.
   A tile is cut to its leading columns that hold visible keys, and one across the visible region's edge
   (the causal diagonal) runs as tiles of ``_EDGE_ROWS`` query rows, each cut on its own
   (:func:`_backward_visible_tile`).
@@ -1200,10 +1201,10 @@ def _backward_task(ops, plan, grads, work, bt, batch_tasks, n2, chunk, kb0, kb1)
 @njit(**_KERNEL)
 def _backward_kernel(ops, plan, grads, pack_like, table, tasks, workers):
     """grads.dk / grads.dv (written in place) and the dQ slices / dpse of the sequences of ``table`` (summed into).
-    ``tasks`` int64 ``[T, 6]``: (sequence, bt, n2, chunk, first key block, end key block), handed out in that order, one at a time to ``workers``
-    threads (:func:`.threads.claim`; :func:`_backward_tasks`); a task runs :func:`_backward_task` with the sequence's
-    batch_tasks (1: a batch-broadcast dpse is summed over b in one task). ``pack_like``: an array of the packed
-    operands' element type."""
+    ``tasks`` int64 ``[T, 6]``: (sequence, bt, n2, chunk, first key block, end key block), handed out in that
+    order, one at a time to ``workers`` threads (:func:`.threads.claim`; :func:`_backward_tasks`); a task runs
+    :func:`_backward_task` with the sequence's batch_tasks (1: a batch-broadcast dpse is summed over b in one
+    task). ``pack_like``: an array of the packed operands' element type."""
     D, Dv = ops.k.shape[3], ops.v.shape[3]
     next_task = np.zeros(1, np.int64)
     for _ in prange(workers):
@@ -1523,9 +1524,9 @@ def _key_block_costs(seq: Sequence) -> np.ndarray:
 def _chunk_bounds(costs: np.ndarray, chunks: int) -> np.ndarray:
     """int64 ``[chunks + 1]``: the first key block of each chunk, then the block count. The chunks are runs of
     blocks of about equal cost: each chunk ends where its cost comes nearest an equal share of the cost left
-    (the fewer blocks on a tie; no chunk empty unless there are more chunks than blocks). Under a causal band the first blocks, which every later row
-    sees, cost the most, and equal runs of blocks would leave threads waiting for them. Equal costs give equal
-    runs."""
+    (the fewer blocks on a tie; no chunk empty unless there are more chunks than blocks). Under a causal band
+    the first blocks, which every later row sees, cost the most, and equal runs of blocks would leave threads
+    waiting for them. Equal costs give equal runs."""
     running = np.cumsum(costs)
     bounds = [0]
     for c in range(1, chunks):
