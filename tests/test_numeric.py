@@ -24,13 +24,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from numba import njit
+from numba import njit, prange
 
 from attngrad.kernels.numeric import (FASTMATH, HAS_AVX512_BF16, NO_POSITIVE, STREAM_MIN_BYTES, _f16_to_f32,
                                       _f32_to_f16, aligned_empty, copy_row, exp2_32, exp2_nonpositive, exp32,
                                       exp_for, fmax_any_nan, fmaximum, narrow, narrow_fast, narrow_finite, narrow_ftz,
                                       prefetch, smallest_positive, stream_fence, streams, track_smallest_positive,
-                                      unowned, widen)
+                                      transpose_matrix, unowned, widen)
 from attngrad.kernels.tensor_view import kernel_view
 
 LOW_DTYPES = [torch.float16, torch.bfloat16]
@@ -412,3 +412,32 @@ def test_unowned_views_the_array_with_its_strides():
     total, shape, strides = _through_unowned(a)
     assert total == want and shape == a.shape and strides == a.strides
     assert a[1, 0, 2] == -1.0
+
+
+@njit
+def _transposed_serial(src, dst):
+    transpose_matrix(src.ctypes.data, src.strides[0], dst.ctypes.data, dst.strides[0], src.shape[0], src.shape[1],
+                     src)
+
+
+@njit(parallel=True)
+def _transposed_parallel(src, dst):  # one matrix per prange task, as the flash attention kernels call it
+    for m in prange(src.shape[0]):
+        transpose_matrix(src[m].ctypes.data, src.strides[1], dst[m].ctypes.data, dst.strides[1], src.shape[1],
+                         src.shape[2], src)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.uint32, np.uint16, np.int16])
+@pytest.mark.parametrize("shape", [(16, 16), (32, 48), (200, 96), (37, 21), (5, 3), (1, 17), (0, 4)])
+def test_transpose_matrix_whole_blocks_and_edges(dtype, shape):
+    rng = np.random.default_rng(0)
+    # rows of a wider array: the source pitch is not its width
+    wide = rng.integers(0, 30000, (shape[0], shape[1] + 7)).astype(dtype)
+    src = wide[:, 3:3 + shape[1]]
+    dst = np.full(shape[::-1], 99, dtype)
+    _transposed_serial(src, dst)
+    np.testing.assert_array_equal(dst, src.T)
+    stack = rng.integers(0, 30000, (3, *shape)).astype(dtype)
+    out = np.full((3, *shape[::-1]), 99, dtype)
+    _transposed_parallel(stack, out)
+    np.testing.assert_array_equal(out, stack.transpose(0, 2, 1))

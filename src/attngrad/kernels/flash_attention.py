@@ -104,8 +104,9 @@ from .flash_attention_plan import MASKED_LOGIT, AttentionPlan
 from .gemm_paths import CALIBRATED_DTYPES, WIDENED, gemm_path
 from .gemm import BRGEMM_DTYPES, NO_TRANS, TRANS, brgemm, brgemm_release, gemm
 from .layouts import launch_strided
-from .numeric import (FASTMATH, LOG2E, aligned_empty, array_at, exp2_32, exp32, fmaximum, narrow, narrow_ftz,
-                      prefer_512_bit_vectors, prefetch_bytes, row_address, row_view, unowned, widen)
+from .numeric import (FASTMATH, LOG2E, TRANSPOSE_BLOCK, aligned_empty, array_at, exp2_32, exp32, fmaximum, narrow,
+                      narrow_ftz, prefer_512_bit_vectors, prefetch_bytes, row_address, row_view, transpose_matrix,
+                      unowned, widen)
 from .tensor_view import kernel_view, new_output
 from .threads import claim, kernel_threads, on_torch_threads
 
@@ -116,7 +117,6 @@ _BK = 256  # key columns of a tile
 _FWD_BK = 512  # key columns of a forward tile (fewer online-softmax rescales of the accumulator)
 _EDGE_ROWS = 64  # query rows of the tiles across the visible region's edge (forward and backward)
 _ROWS_AHEAD = 2  # a dense pse or atten_mask row is prefetched this many rows ahead of its use
-_SQUARE = 16  # the backward's transposed copies move square blocks of this side through a local buffer
 _TARGET_TASKS = 16  # the backward splits keys into chunks until B*N2*chunks reaches this (when it can)
 _OUTSIDE, _INSIDE, _PARTIAL = 0, 1, 2
 
@@ -607,19 +607,10 @@ def _pairs(x):
 def _pack_transposed(x, b, n, j0, cols, out):
     """B operand of ``A x[b, n, j0:j0+cols]^T`` (:func:`.gemm.brgemm`), ``[D, cols]`` with row stride cols: float32
     plain (``out[d * cols + j] = x[.., j0+j, d]``), bfloat16 in VNNI pairs (one uint32 each):
-    ``out[d2 * cols + j] = (x[.., j0+j, 2*d2], x[.., j0+j, 2*d2+1])``."""
-    if not _pairs(x):
-        for jb in range(0, cols, 16):
-            for d in range(x.shape[3]):
-                for j in range(jb, min(jb + 16, cols)):
-                    out[d * cols + j] = x[b, n, j0 + j, d]
-        return
-    sixteen = np.uint32(16)
-    for jb in range(0, cols, 16):  # 16 rows of x at a time: each read once, out written in runs of 16
-        for d2 in range(x.shape[3] // 2):
-            for j in range(jb, min(jb + 16, cols)):
-                out[d2 * cols + j] = (np.uint32(x[b, n, j0 + j, 2 * d2])
-                                      | (np.uint32(x[b, n, j0 + j, 2 * d2 + 1]) << sixteen))
+    ``out[d2 * cols + j] = (x[.., j0+j, 2*d2], x[.., j0+j, 2*d2+1])``, i.e. x's rows read as uint32 pairs and
+    transposed. x's rows are unit-stride (kernel views from :func:`_view`, scratch rows)."""
+    width = x.shape[3] * x.itemsize // out.itemsize  # elements of out's type per row of x
+    transpose_matrix(row_address(x, b, n, j0), x.strides[2], out.ctypes.data, cols * out.itemsize, cols, width, out)
 
 
 @njit(inline="always")
@@ -891,27 +882,20 @@ def _row_dot_kernel(dy, out, dr):
 @njit(**_KERNEL)
 def _transpose_kernel(x, out):
     """out[b, n, d, s] = x[b, n, s, d] (out C-contiguous; x any strides), in tasks of ``stripe`` rows of one
-    (b, n). Whole _SQUARE-sided blocks pass through a local block with fixed trip counts, which LLVM turns into
-    vector loads, shuffles and stores; the edge blocks go element by element."""
+    (b, n): by :func:`.numeric.transpose_matrix` where x's rows are unit-stride, else element by element."""
     B, N, S, D = x.shape
-    stripe = 4 * _SQUARE
+    stripe = 4 * TRANSPOSE_BLOCK
     stripes = (S + stripe - 1) // stripe
     for task in prange(B * N * stripes):
         b, n, s0 = task // (N * stripes), task // stripes % N, task % stripes * stripe
-        block = np.empty((_SQUARE, _SQUARE), x.dtype)
-        for d0 in range(0, D, _SQUARE):
-            for i0 in range(s0, min(s0 + stripe, S), _SQUARE):
-                if i0 + _SQUARE <= S and d0 + _SQUARE <= D:
-                    for i in range(_SQUARE):
-                        for d in range(_SQUARE):
-                            block[d, i] = x[b, n, i0 + i, d0 + d]
-                    for d in range(_SQUARE):
-                        for i in range(_SQUARE):
-                            out[b, n, d0 + d, i0 + i] = block[d, i]
-                else:
-                    for d in range(d0, min(d0 + _SQUARE, D)):
-                        for i in range(i0, min(i0 + _SQUARE, S)):
-                            out[b, n, d, i] = x[b, n, i, d]
+        rows = min(stripe, S - s0)
+        if x.strides[3] == x.itemsize:
+            transpose_matrix(row_address(x, b, n, s0), x.strides[2], row_address(out, b, n, 0) + s0 * out.itemsize,
+                             out.strides[2], rows, D, x)
+        else:
+            for d in range(D):
+                for i in range(s0, s0 + rows):
+                    out[b, n, d, i] = x[b, n, i, d]
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
@@ -1178,24 +1162,36 @@ def _sequence_gradients(grads, table, s):
 def _backward_task(ops, plan, grads, work, bt, batch_tasks, n2, chunk, kb0, kb1):
     """Key chunk ``chunk`` (key blocks kb0 to kb1 - 1) of kv head n2 for the batches ``bt, bt + batch_tasks, ...``
     in order, key block by key block: dk / dv written, dQ (into ``grads.dq_acc[chunk]``) and dpse summed into."""
-    B, _, Skv, D = ops.k.shape
-    Dv = ops.v.shape[3]
-    dk, dv, dk_rope = grads.dk, grads.dv, grads.dkr
-    dkt, dvt = work.dkt, work.dvt
+    B, _, Skv, _ = ops.k.shape
     for kb in range(kb0, kb1):
         j0 = kb * _BK
         for b in range(bt, B, batch_tasks):
             _backward_key_block(ops, plan, grads, work, b, n2, j0, chunk)
-            for r in range(min(_BK, Skv - j0)):
-                dkr, dvr = row_view(dk, b, n2, j0 + r), row_view(dv, b, n2, j0 + r)
-                for d in range(D):
-                    dkr[d] = narrow(dkt[d, r] * plan.scale, dk)
-                for d in range(Dv):
-                    dvr[d] = narrow(dvt[d, r], dv)
-                if ops.rope:
-                    dkrr = row_view(dk_rope, b, n2, j0 + r)
-                    for d in range(dk_rope.shape[3]):
-                        dkrr[d] = dkt[D + d, r] * plan.scale
+            cols = min(_BK, Skv - j0)
+            _write_transposed(work.dkt, cols, plan.scale, grads.dk, grads.dkr, ops.rope, b, n2, j0, work.s)
+            _write_transposed(work.dvt, cols, np.float32(1.0), grads.dv, grads.dkr, False, b, n2, j0, work.s)
+
+
+@njit(inline="always")
+def _write_transposed(acc, cols, scale, out, tail, has_tail, b, n, j0, scratch):
+    """Rows j0 .. j0 + cols of ``out[b, n]`` = the fp32 accumulator ``acc`` ``[W, BK]`` transposed, times scale,
+    rounded to out's dtype; with ``has_tail`` its rows past out's D go unrounded into ``tail[b, n]`` (dK_rope).
+    Keys go 16 at a time through ``scratch`` (room for ``[16, W]`` fp32) by :func:`.numeric.transpose_matrix`,
+    where reading acc's columns one by one would take a strided load per element."""
+    W, D = acc.shape[0], out.shape[3]
+    for r0 in range(0, cols, TRANSPOSE_BLOCK):
+        count = min(TRANSPOSE_BLOCK, cols - r0)
+        transpose_matrix(acc.ctypes.data + r0 * acc.itemsize, acc.strides[0], scratch.ctypes.data, W * 4, W, count,
+                         acc)
+        for r in range(count):
+            source = array_at(scratch.ctypes.data + r * W * 4, W, np.float32)
+            row = row_view(out, b, n, j0 + r0 + r)
+            for d in range(D):
+                row[d] = narrow(source[d] * scale, out)
+            if has_tail:
+                rope = row_view(tail, b, n, j0 + r0 + r)
+                for d in range(W - D):
+                    rope[d] = source[D + d] * scale
 
 
 @njit(**_KERNEL)
