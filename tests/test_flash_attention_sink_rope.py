@@ -171,20 +171,21 @@ def test_rope_even_key_blocks_matches_concatenated(dtype, dr):
         assert_close(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("sq,skv,mode", [(300, 300, 2), (520, 700, 0), (1000, 1000, 3)])
-def test_rope_forward_is_the_concatenated_product(sq, skv, mode):
-    """bfloat16 with an even Dr and even key blocks, against the float64 golden on the concatenated tensors; where
-    torch's brgemm serves bfloat16 each score tile is also one product of the task's ``[Q | Q_rope]`` rows and the
-    packed ``[K | K_rope]^T`` (causal edge tiles too), so the forward has the bits of attngrad's own forward on the
+def test_rope_forward_is_the_concatenated_product(sq, skv, mode, dtype):
+    """An even Dr and even key blocks, against the float64 golden on the concatenated tensors; where torch's brgemm
+    serves the dtype each score tile is also one product of the task's ``[Q | Q_rope]`` rows and the packed
+    ``[K | K_rope]^T`` (causal edge tiles too), so the forward has the bits of attngrad's own forward on the
     concatenated tensors."""
-    q, qr = random_tensors(((1, N1, sq, 128), (1, N1, sq, 64)), torch.bfloat16, 14)
-    k, v, kr = random_tensors(((1, N2, skv, 128), (1, N2, skv, 128), (1, N2, skv, 64)), torch.bfloat16, 15)
+    q, qr = random_tensors(((1, N1, sq, 128), (1, N1, sq, 64)), dtype, 14)
+    k, v, kr = random_tensors(((1, N2, skv, 128), (1, N2, skv, 128), (1, N2, skv, 64)), dtype, 15)
     kw = dict(scale_value=0.1, **(dict(atten_mask=CAUSAL, sparse_mode=mode) if mode else {}))
     fused = attngrad.flash_attention_score(q, k, v, N1, "BNSD", query_rope=qr, key_rope=kr, **kw)
     qc, kc, golden = _rope_golden(q, k, qr, kr, v, AttentionPlan(scale=0.1, **(dict(next_tokens=0) if mode else {})))
-    for got, want in zip(fused, golden):
-        assert_close(got[..., 0] if got.dtype == torch.float32 else got, want, got.dtype)
-    if torch.bfloat16 in BRGEMM_DTYPES:
+    for i, (got, want) in enumerate(zip(fused, golden)):  # out, then the stats (8 equal columns)
+        assert_close(got if i == 0 else got[..., 0], want, got.dtype)
+    if dtype in BRGEMM_DTYPES:
         joined = attngrad.flash_attention_score(qc, kc, v, N1, "BNSD", **kw)
         for got, want in zip(fused[:3], joined[:3]):
             assert torch.equal(got, want)

@@ -1380,9 +1380,8 @@ def _forward_operands(q: torch.Tensor, qv: np.ndarray, kv: np.ndarray, vv: np.nd
     """The forward's operands: K and V packed for the brgemm (:func:`_use_brgemm`; float32 needs K^T only, V is
     read in place), the key blocks of the sequences of ``table``, else placeholders; ``rope``: :func:`_rope_views`.
 
-    bfloat16 packs K_rope^T after K^T (an even Dr) for the rope product on the brgemm, where MKL would pack
-    K_rope on every call; float32 leaves that product to MKL's sgemm, faster there for k = Dr (see
-    docs/performance.md, 'MLA rope and attention sink')."""
+    With rope on the brgemm (bfloat16: an even Dr) K_rope^T is packed after K^T, so that each score tile is one
+    product of depth D + Dr, the concatenated tensors' (see docs/performance.md, 'MLA rope and attention sink')."""
     b, n2, _, d = kv.shape
     like = _pack_like(q)
     placeholder = np.zeros((1, 1, 1, 1), like.dtype)
@@ -1390,7 +1389,7 @@ def _forward_operands(q: torch.Tensor, qv: np.ndarray, kv: np.ndarray, vv: np.nd
         return ForwardOperands(qv, kv, vv, placeholder, placeholder, False, *rope)
     blocks = int(table.rows[-1, 4] + -(-(table.rows[-1, 3] - table.rows[-1, 2]) // _FWD_BK))
     per = like.itemsize // q.element_size()  # input elements per packed element (2: VNNI pairs)
-    dr = rope[0].shape[3] if rope[2] and per == 2 and _use_brgemm(q, d, vv.shape[3], rope[0].shape[3]) else 0
+    dr = rope[0].shape[3] if rope[2] and _use_brgemm(q, d, vv.shape[3], rope[0].shape[3]) else 0
     kt = np.empty((b, n2, blocks, _FWD_BK * (d + dr) // per), like.dtype)
     vt = np.empty((b, n2, blocks, _FWD_BK * vv.shape[3] // per), like.dtype) if per == 2 else placeholder
     launch_strided(_pack_kv_kernel, kv, vv, rope[1], dr > 0, kt, vt, table, exact=(4, 5, 6))
