@@ -215,9 +215,11 @@ def test_strided_views_and_preallocated_outputs_match_contiguous(dtype, n1, n2, 
 @pytest.mark.parametrize("s,d", [(300, 40), (64, 128), (7, 17)])
 def test_transposed_copy_of_strided_and_contiguous_inputs(dtype, s, d):
     """The backward's transposed copies (whole 16-blocks and edge blocks) equal torch's transpose bit for bit, from
-    a TND-like strided view and from a contiguous tensor."""
+    a TND-like strided view, from a contiguous tensor and from one whose rows are not unit-stride (element by
+    element)."""
     tnd = torch.randn(s, 3, d).to(dtype)
-    for t in (tnd.transpose(0, 1).unsqueeze(0), tnd.transpose(0, 1).unsqueeze(0).contiguous()):
+    column_major = torch.randn(1, 3, d, s).to(dtype).transpose(-1, -2)
+    for t in (tnd.transpose(0, 1).unsqueeze(0), tnd.transpose(0, 1).unsqueeze(0).contiguous(), column_major):
         got = torch.from_numpy(_transposed(t, True, t)).view(dtype)
         assert got.shape == (1, 3, d, s) and torch.equal(got, t.transpose(-1, -2))
 
