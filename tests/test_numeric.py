@@ -12,7 +12,7 @@
   ``narrow_finite`` equals ``narrow`` on every value but nan, ``narrow_fast`` on every value but nan and (where
   ``narrow_ftz`` flushes) subnormals;
 * ``fmaximum`` propagates nan (the reduction the softmax kernel relies on); ``fmax_any_nan`` finds the max;
-* ``prefetch`` compiles to a hint that changes nothing;
+* ``prefetch`` / ``prefetch_l2`` compile to hints that change nothing; ``prefetch_bytes`` emits the level asked for;
 * ``copy_row`` copies exactly the requested bytes, streamed or not, at every alignment of both ends;
 * ``unowned`` views an array with its shape and strides (reads and writes reach the array).
 """
@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import math
+import platform
 
 import numpy as np
 import pytest
@@ -29,8 +30,8 @@ from numba import njit, prange
 from attngrad.kernels.numeric import (FASTMATH, HAS_AVX512_BF16, NO_POSITIVE, STREAM_MIN_BYTES, _f16_to_f32,
                                       _f32_to_f16, aligned_empty, copy_row, exp2_32, exp2_nonpositive, exp32,
                                       exp_for, fmax_any_nan, fmaximum, narrow, narrow_fast, narrow_finite, narrow_ftz,
-                                      prefetch, smallest_positive, stream_fence, streams, track_smallest_positive,
-                                      transpose_matrix, unowned, widen)
+                                      prefetch, prefetch_bytes, prefetch_l2, smallest_positive, stream_fence, streams,
+                                      track_smallest_positive, transpose_matrix, unowned, widen)
 from attngrad.kernels.tensor_view import kernel_view
 
 LOW_DTYPES = [torch.float16, torch.bfloat16]
@@ -318,17 +319,43 @@ def test_fmax_any_nan_finds_the_max():
 
 
 @njit
-def _prefetch_sum(a):
+def _prefetch_sum(a, into_l2):
     total = np.float32(0.0)
-    for i in range(a.size):
-        prefetch(a.ctypes.data + 4 * min(i + 64, a.size - 1))  # a hint only: the sum must not change
+    for i in range(a.size):  # hints only: the sum must not change
+        if into_l2:
+            prefetch_l2(a.ctypes.data + 4 * min(i + 64, a.size - 1))
+        else:
+            prefetch(a.ctypes.data + 4 * min(i + 64, a.size - 1))
         total += a[i]
     return total
 
 
-def test_prefetch_is_only_a_hint():
+@njit
+def _prefetch_into_l1(a):
+    prefetch_bytes(a.ctypes.data, a.nbytes)
+
+
+@njit
+def _prefetch_into_l2(a):
+    prefetch_bytes(a.ctypes.data, a.nbytes, True)
+
+
+@pytest.mark.parametrize("into_l2", [False, True])
+def test_prefetch_is_only_a_hint(into_l2):
     a = np.arange(1000, dtype=np.float32)
-    assert _prefetch_sum(a) == np.float32(a.sum())
+    assert _prefetch_sum(a, into_l2) == np.float32(a.sum())
+
+
+def test_prefetch_bytes_picks_the_cache_level():
+    a = np.arange(1000, dtype=np.float32)
+    hints = {}
+    for name, kernel in (("prefetcht0", _prefetch_into_l1), ("prefetcht1", _prefetch_into_l2)):
+        kernel(a)
+        hints[name] = kernel.inspect_asm(kernel.signatures[0])
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the instruction names are x86's")
+    assert "prefetcht0" in hints["prefetcht0"] and "prefetcht1" not in hints["prefetcht0"]
+    assert "prefetcht1" in hints["prefetcht1"] and "prefetcht0" not in hints["prefetcht1"]
 
 
 @njit

@@ -71,31 +71,49 @@ def _call_f32_intrinsic(builder, name: str, args, fastmath=()):
     return builder.call(fn, args, fastmath=fastmath)
 
 
-@intrinsic
-def prefetch(typingctx, address):
-    """Hint the CPU to load the cache line at ``address`` (an integer address, e.g. ``a.ctypes.data`` plus an
-    offset in bytes) for reading (``llvm.prefetch``: ``prefetcht0``); no effect on results, never faults."""
-    if not isinstance(address, types.Integer):
-        return None
+def _prefetch_hint(locality: int, where: str):
+    """An intrinsic ``(address) -> None`` that hints the CPU to load the cache line at ``address`` (an integer
+    address, e.g. ``a.ctypes.data`` plus an offset in bytes) for reading, ``where`` says; ``llvm.prefetch`` with
+    this locality. No effect on results, never faults."""
 
-    def codegen(context, builder, sig, args):
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                            "llvm.prefetch.p0")
-        pointer = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.intp), i8p)
-        builder.call(fn, [pointer, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-        return context.get_dummy_value()
+    def typer(typingctx, address):
+        if not isinstance(address, types.Integer):
+            return None
 
-    return types.void(address), codegen
+        def codegen(context, builder, sig, args):
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            fn = cgutils.get_or_insert_function(builder.module,
+                                                ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                                "llvm.prefetch.p0")
+            pointer = builder.inttoptr(context.cast(builder, args[0], sig.args[0], types.intp), i8p)
+            builder.call(fn, [pointer, ir.Constant(i32, 0), ir.Constant(i32, locality), ir.Constant(i32, 1)])
+            return context.get_dummy_value()
+
+        return types.void(address), codegen
+
+    typer.__doc__ = f"Prefetch the cache line at ``address`` {where}."
+    return intrinsic(typer)
+
+
+prefetch = _prefetch_hint(3, "into the level 1 and 2 caches (``prefetcht0``)")
+prefetch_l2 = _prefetch_hint(2, "into the level 2 cache only (``prefetcht1``)")
 
 
 @njit(inline="always")
-def prefetch_bytes(address, nbytes):
-    """:func:`prefetch` every cache line of the ``nbytes`` at ``address`` (nothing when nbytes <= 0). For streams
-    that the hardware prefetchers lose: they stop at each 4 KiB page and do not follow rows read in descending
-    order."""
+def prefetch_bytes(address, nbytes, into_l2=False):
+    """:func:`prefetch` every cache line of the ``nbytes`` at ``address`` (nothing when nbytes <= 0), or
+    :func:`prefetch_l2` with ``into_l2`` (a constant). For streams that the hardware prefetchers lose: they stop
+    at each 4 KiB page and do not follow rows read in descending order.
+
+    ``into_l2`` is for a burst of lines fetched a row ahead of a compute-bound loop: there a burst of
+    ``prefetcht0`` made the loop itself wait (likely on the level 1 cache's few miss buffers, which each such
+    prefetch holds until its line arrives) and one of ``prefetcht1`` did not (docs/performance.md, 'What limits
+    each operator')."""
     for offset in range(0, nbytes, 64):
-        prefetch(address + offset)
+        if into_l2:
+            prefetch_l2(address + offset)
+        else:
+            prefetch(address + offset)
 
 
 @intrinsic

@@ -19,8 +19,9 @@ written once:
   gradient) and writes row ``k - 1``, so the memory streams run while the core computes (:func:`_pipelined_loop`);
 * a row is rounded into a row buffer (on cache lines: ``numeric.aligned_empty``) and copied out, by non-temporal
   stores when the output is large (:func:`.numeric.streams`);
-* the forward prefetches the input row after next, because the hardware prefetchers stop at every 4 KiB page
-  (:func:`_forward_block`); float32 rows in two halves, bf16/fp16 rows (half as long, compute-bound) at once;
+* the forward prefetches the input row after next into the level 2 cache, because the hardware prefetchers stop
+  at every 4 KiB page (:func:`_forward_block`); float32 rows in two halves, bf16/fp16 rows (half as long,
+  compute-bound) at once;
 * the bf16/fp16 forward is compute-bound, so its row loop is kept short: ``exp2_nonpositive`` (no overflow
   clamp; a degree-4 polynomial for bf16/fp16 outputs), a one-``vmaxps`` row max (``numeric.fmax_any_nan``),
   the fp16 scaling as one float16 multiply, and bf16 rounding by ``narrow_fast`` (the one-instruction
@@ -200,12 +201,13 @@ def _put_row(y, y_address, row, out, out_address, stream):
 
 @njit(inline="always")
 def _prefetch_columns(x, mask, row, valid, j0, j1):
-    """Start loading columns [j0, j1) of ``row`` (when ``valid``) of x and of the mask."""
+    """Start loading columns [j0, j1) of ``row`` (when ``valid``) of x and of the mask into the level 2 cache
+    (:func:`.numeric.prefetch_bytes`; fetched into level 1 as well, they held up the row loop)."""
     if valid and x.strides[3] == x.itemsize:
         b, n, s, bm, nm = row
-        prefetch_bytes(row_address(x, b, n, s) + j0 * x.itemsize, (j1 - j0) * x.itemsize)
+        prefetch_bytes(row_address(x, b, n, s) + j0 * x.itemsize, (j1 - j0) * x.itemsize, True)
         if mask.strides[3] == 1:
-            prefetch_bytes(row_address(mask, bm, nm, s) + j0, j1 - j0)
+            prefetch_bytes(row_address(mask, bm, nm, s) + j0, j1 - j0, True)
 
 
 @njit(inline="always", fastmath=FASTMATH)
@@ -283,8 +285,8 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
         top_next = np.float32(-np.inf)
         row_nxt, row_after = _row_of(b2, n2, s2, mask), _row_of(b3, n3, s3, mask)
         if r > first and r + 1 < last:
-            # float32: row r + 2 in two halves; the whole row at once (80 lines with its mask) would fill the
-            # core's miss buffers while this loop's own loads wait
+            # float32: row r + 2 in two halves; the whole row at once (80 lines with its mask) held up this
+            # loop's own loads
             split = S2 // 2 if x.itemsize == 4 else S2
             _prefetch_columns(x, mask, row_after, r + 2 < last, 0, split)
             xr, mr = _logit_rows(x, mask, row_nxt, scratch)
