@@ -21,9 +21,9 @@ Backward: rows are swept from ``T-1`` down to 0 keeping a length-T fp32 running 
 ``grad_output * grad_self`` over the strict lower triangle; after row ``i`` is added,
 ``grad[i] = sum_{j < i} colsum[j]``. Each row is swept in whole 16-lane vectors, the lanes past the diagonal
 adding -0.0, the exact neutral element, whatever value lies there. Rows go in pairs (one pass over the column
-sums for two rows), and the next problem is prefetched in ascending rows meanwhile (the sweep reads rows in
-descending order, which the hardware prefetchers do not follow). With enough problems one task per problem
-writes its gradient row directly, in a single parallel region per call (the calls are short).
+sums for two rows), and the next problem is prefetched into the level 2 cache in ascending rows meanwhile (the
+sweep reads rows in descending order, which the hardware prefetchers do not follow). With enough problems one
+task per problem writes its gradient row directly, in a single parallel region per call (the calls are short).
 
 Work splitting (``splits`` > 1, chosen by the caller when there are few problems): the forward splits
 the rows of a problem into chunks, each chunk first replaying the column sums of the rows above it in
@@ -199,11 +199,12 @@ def _row(a, address, i, j0, n):
 
 @njit(inline="always")
 def _prefetch_row(go, gs, go_address, gs_address, i, j0, j1):
-    """Start loading columns ``[j0, min(j1, i))`` of row i of go and gs (nothing when that is empty)."""
+    """Start loading columns ``[j0, min(j1, i))`` of row i of go and gs into the level 2 cache (nothing when that
+    is empty; :func:`.numeric.prefetch_bytes`: fetched into level 1 as well, they held up the sweep)."""
     if j0 < i < go.shape[0]:
         nbytes = (min(j1, i) - j0) * go.itemsize
-        prefetch_bytes(go_address + i * go.strides[0] + j0 * go.itemsize, nbytes)
-        prefetch_bytes(gs_address + i * gs.strides[0] + j0 * gs.itemsize, nbytes)
+        prefetch_bytes(go_address + i * go.strides[0] + j0 * go.itemsize, nbytes, True)
+        prefetch_bytes(gs_address + i * gs.strides[0] + j0 * gs.itemsize, nbytes, True)
 
 
 @njit(inline="always", fastmath=FASTMATH)
