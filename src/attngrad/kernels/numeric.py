@@ -72,9 +72,9 @@ def _call_f32_intrinsic(builder, name: str, args, fastmath=()):
 
 
 def _prefetch_hint(locality: int, where: str):
-    """An intrinsic ``(address) -> None`` that hints the CPU to load the cache line at ``address`` (an integer
-    address, e.g. ``a.ctypes.data`` plus an offset in bytes) for reading, ``where`` says; ``llvm.prefetch`` with
-    this locality. No effect on results, never faults."""
+    """An intrinsic ``(address) -> None``: hint the CPU to load the cache line at ``address`` (an integer address,
+    e.g. ``a.ctypes.data`` plus an offset in bytes) for reading into the caches ``where`` names (``llvm.prefetch``
+    with this locality). No effect on results, never faults."""
 
     def typer(typingctx, address):
         if not isinstance(address, types.Integer):
