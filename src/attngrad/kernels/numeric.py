@@ -693,33 +693,69 @@ _H3 = np.float32(0.05590643733739853)
 _H4 = np.float32(0.009582847356796265)
 
 
-@njit(inline="always", fastmath=FASTMATH)
-def _poly4(f):
-    """2**f for |f| <= 0.5, relative error < 2.9e-6."""
-    return (((_H4 * f + _H3) * f + _H2) * f + _H1) * f + np.float32(1.0)
+def _exp_coefficients(*pow2_coefficients):
+    """Coefficients of e**r = 2**(r log2 e) from those of a 2**f polynomial in f: c_k (log2 e)**k, so the fit
+    keeps its relative error on |r| <= ln(2) / 2."""
+    return tuple(np.float32(float(c) * 1.4426950408889634**k) for k, c in enumerate(pow2_coefficients, 1))
 
 
-def exp2_nonpositive(t, like):  # pragma: no cover - compiled through the overload below
-    """2**t for t <= 0 (or nan), as precise as a result of ``like``'s element type needs."""
+_X1, _X2, _X3, _X4, _X5 = _exp_coefficients(_E1, _E2, _E3, _E4, _E5)
+_Y1, _Y2, _Y3, _Y4 = _exp_coefficients(_H1, _H2, _H3, _H4)
+_LN2 = np.float32(0.6931471824645996)  # ln 2 rounded to float32 ...
+_LN2_REST = np.float32(-1.9046542121259336e-09)  # ... and the rest, ln 2 - _LN2, rounded
+_ROUNDER = np.float32(1.5 * 2**23 + 127)  # x + _ROUNDER, for |x| < 2**22, is in [2**23, 2**24): a whole number
+
+
+@intrinsic
+def _exp_reduction(typingctx, d):
+    """float32 d in [-88, 88] -> ``(r, r_fine, 2**n)``: n = rint(d log2 e), ``r = d - n _LN2`` and ``r_fine = r - n
+    _LN2_REST``, so e**d = e**r_fine 2**n (r to float16 / bfloat16 precision).
+
+    One ``fma`` gives ``a = d log2 e + _ROUNDER`` rounded to a whole number, ``n = a - _ROUNDER`` exactly, and the
+    low 9 bits of ``a``'s significand hold n + 127: shifted into the exponent field they make 2**n (n = -127 gives
+    +0.0). r and r_fine are one ``fma`` each. Written here without fast-math flags, so that LLVM cannot fold
+    ``(x + _ROUNDER) - _ROUNDER`` back to x; a nan d gives nan r."""
+    if d != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        f32, i32 = ir.FloatType(), ir.IntType(32)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")
+        rounder = ir.Constant(f32, float(_ROUNDER))
+        a = builder.call(fma, [args[0], ir.Constant(f32, float(LOG2E)), rounder])
+        minus_n = builder.fsub(rounder, a)
+        r = builder.call(fma, [minus_n, ir.Constant(f32, float(_LN2)), args[0]])
+        r_fine = builder.call(fma, [minus_n, ir.Constant(f32, float(_LN2_REST)), r])
+        pow2 = builder.bitcast(builder.shl(builder.bitcast(a, i32), ir.Constant(i32, 23)), f32)
+        return context.make_tuple(builder, sig.return_type, [r, r_fine, pow2])
+
+    return types.UniTuple(types.float32, 3)(d), codegen
+
+
+def exp_nonpositive(d, like):  # pragma: no cover - compiled through the overload below
+    """e**d for d <= 0 (or nan), as precise as a result of ``like``'s element type needs."""
     raise NotImplementedError
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _exp2_nonpositive(t, half):
-    """2**t for t <= 0: :func:`_poly4` when ``half`` (a compile-time constant), else :func:`_poly5`."""
-    t = _MIN_POW if t < _MIN_POW else t
-    n = _rint(t)
-    f = t - n
-    return (_poly4(f) if half else _poly5(f)) * _pow2(n)
+def _exp_nonpositive(d, half):
+    """e**d for d <= 0: the degree-4 polynomial when ``half`` (a compile-time constant), else the degree-5 one."""
+    d = _EXP_LO if d < _EXP_LO else d  # nan passes (one vmaxps)
+    r, r_fine, pow2 = _exp_reduction(d)
+    if half:
+        return ((((_Y4 * r + _Y3) * r + _Y2) * r + _Y1) * r + np.float32(1.0)) * pow2
+    return (((((_X5 * r_fine + _X4) * r_fine + _X3) * r_fine + _X2) * r_fine + _X1) * r_fine + np.float32(1.0)) * pow2
 
 
-@overload(exp2_nonpositive, jit_options={"fastmath": FASTMATH})
-def _exp2_nonpositive_impl(t, like):
-    """:func:`exp2_32` for a softmax's ``exp(z - max)`` in base 2 (``t <= 0``, so without the upper clamp), with
-    the degree-5 polynomial for float32 results and the degree-4 one (:func:`_poly4`) for bfloat16 / float16
-    results, which round the value to 8 or 11 bits anyway. 2**(<= -127) = 0 exactly, nan stays nan."""
+@overload(exp_nonpositive, jit_options={"fastmath": FASTMATH})
+def _exp_nonpositive_impl(d, like):
+    """A softmax's ``exp(z - max)`` (d = z - max <= 0, so no upper clamp), with the degree-5 polynomial for float32
+    results (relative error < 2e-7) and the degree-4 one for bfloat16 / float16 results (< 3.2e-6), which round the
+    value to 8 or 11 bits anyway. The argument is reduced by ln 2 from d itself, never from a rounded
+    ``d * log2 e`` (whose rounding would cost up to |d| 2**-24 of relative error). e**(<= -88) = 0 exactly, nan
+    stays nan."""
     half = like.dtype != types.float32
-    return lambda t, like: _exp2_nonpositive(t, half)
+    return lambda d, like: _exp_nonpositive(d, half)
 
 
 @njit(inline="always", fastmath=FASTMATH)

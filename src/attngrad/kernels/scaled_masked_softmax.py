@@ -22,12 +22,13 @@ written once:
 * the forward prefetches the input row after next into the level 2 cache, because the hardware prefetchers stop
   at every 4 KiB page (:func:`_forward_block`); float32 rows in two halves, bf16/fp16 rows (half as long,
   compute-bound) at once;
-* the bf16/fp16 forward is compute-bound, so its row loop is kept short: ``exp2_nonpositive`` (no overflow
-  clamp; a degree-4 polynomial for bf16/fp16 outputs), a one-``vmaxps`` row max (``numeric.fmax_any_nan``),
-  the fp16 scaling as one float16 multiply, and bf16 rounding by ``narrow_fast`` (the one-instruction
-  ``narrow_ftz`` with AVX512-BF16, else the integer rounding without its nan test) when it is exact for the
-  row: no output is a nan (a row of nans has a nan sum) and, with ``narrow_ftz``, none is a float32 subnormal
-  (the exp loop tracks the row's smallest positive exp for that test, two integer operations per vector);
+* the bf16/fp16 forward is compute-bound, so its row loop is kept short: ``exp_nonpositive`` (no overflow
+  clamp, 2**n built from the rounding of the argument reduction, a degree-4 polynomial for bf16/fp16 outputs),
+  a one-``vmaxps`` row max (``numeric.fmax_any_nan``), the fp16 scaling as one float16 multiply, and bf16
+  rounding by ``narrow_fast`` (the one-instruction ``narrow_ftz`` with AVX512-BF16, else the integer rounding
+  without its nan test) when it is exact for the row: no output is a nan (a row of nans has a nan sum) and, with
+  ``narrow_ftz``, none is a float32 subnormal (the exp loop tracks the row's smallest positive exp for that test,
+  two integer operations per vector);
 * the backward rounds bf16 by ``narrow_finite`` and sums each output row on the way (one add per vector,
   ``numeric.track_nan``): a nan sum sends the row through the exact rounding again.
 
@@ -42,7 +43,7 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from .layouts import strided_layout
-from .numeric import (FASTMATH, LOG2E, NO_POSITIVE, aligned_empty, array_at, copy_row, exp2_nonpositive, fmax_any_nan,
+from .numeric import (FASTMATH, NO_POSITIVE, aligned_empty, array_at, copy_row, exp_nonpositive, fmax_any_nan,
                       narrow, narrow_fast, narrow_finite, narrow_ftz_exact, prefer_512_bit_vectors, prefetch_bytes,
                       row_address, row_view, stream_fence, track_flushable, track_nan, widen)
 from .threads import on_torch_threads
@@ -177,7 +178,7 @@ def _exp_row(bufs, k, top, y):
     total = np.float32(0.0)
     tiny = NO_POSITIVE
     for j in range(bufs.shape[1]):
-        e = exp2_nonpositive((bufs[k, j] - top) * LOG2E, y)
+        e = exp_nonpositive(bufs[k, j] - top, y)
         bufs[k, j] = e
         total += e
         tiny = track_flushable(tiny, e, y)
@@ -246,7 +247,7 @@ def _pipelined_loop(rounding, xr, mr, scale, round_scaled, bufs, stages, top, in
         z = _logit(xr, mr, j, scale, round_scaled)
         bufs[nxt, j] = z
         top_next = fmax_any_nan(top_next, z)
-        e = exp2_nonpositive((bufs[cur, j] - top) * LOG2E, y)
+        e = exp_nonpositive(bufs[cur, j] - top, y)
         bufs[cur, j] = e
         total += e
         tiny = track_flushable(tiny, e, y)
