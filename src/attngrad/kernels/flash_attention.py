@@ -78,8 +78,9 @@ numba's typing: they compile in seconds, and their loops give the same bits eith
 
 Extra memory: per thread a few [BQ, BK] tiles (allocated once per launch) plus the fp32 dQ slices
 (``chunks * B*N1*Sq*D``), the packed bf16 K, V of the forward, the Q^T, dY^T copies of the backward and copies
-of inputs that are not contiguous (of K and V in a varlen launch): O(S*D), never an [Sq, Skv] tensor beyond
-the pse's own (dpse: one fp32 accumulator shaped like the pse, never the expanded [B, N1, Sq, Skv]).
+of inputs that are not contiguous (of K or V in a varlen launch, where a GEMM reads them unpacked): O(S*D),
+never an [Sq, Skv] tensor beyond the pse's own (dpse: one fp32 accumulator shaped like the pse, never the expanded
+[B, N1, Sq, Skv]).
 
 Tile classification (``_tile_kind``): a tile entirely outside the visible region (band and prefix) is
 skipped; a tile entirely inside it and without an atten_mask to read takes the fast path without
@@ -1362,6 +1363,12 @@ def _use_brgemm(q: torch.Tensor, d: int, dv: int, dr: int = 0) -> bool:
     return q.dtype in BRGEMM_DTYPES and (q.dtype == torch.float32 or d % 2 == dv % 2 == dr % 2 == 0)
 
 
+def _pooled(shape: tuple, dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array of a 4-byte dtype, from the output pool when large (:func:`.tensor_view.new_output`):
+    a varlen call's packed K and V, tens of MiB, would otherwise be fresh pages on every call."""
+    return new_output(shape, torch.float32).numpy().view(dtype)
+
+
 def _pack_like(q: torch.Tensor) -> np.ndarray:
     """An array of the element type of q's packed brgemm operands: uint32 VNNI pairs (bfloat16), else float32."""
     return np.empty(1, np.uint32 if q.dtype == torch.bfloat16 else np.float32)
@@ -1390,8 +1397,8 @@ def _forward_operands(q: torch.Tensor, qv: np.ndarray, kv: np.ndarray, vv: np.nd
     blocks = int(table.rows[-1, 4] + -(-(table.rows[-1, 3] - table.rows[-1, 2]) // _FWD_BK))
     per = like.itemsize // q.element_size()  # input elements per packed element (2: VNNI pairs)
     dr = rope[0].shape[3] if rope[2] and _use_brgemm(q, d, vv.shape[3], rope[0].shape[3]) else 0
-    kt = np.empty((b, n2, blocks, _FWD_BK * (d + dr) // per), like.dtype)
-    vt = np.empty((b, n2, blocks, _FWD_BK * vv.shape[3] // per), like.dtype) if per == 2 else placeholder
+    kt = _pooled((b, n2, blocks, _FWD_BK * (d + dr) // per), like.dtype)
+    vt = _pooled((b, n2, blocks, _FWD_BK * vv.shape[3] // per), like.dtype) if per == 2 else placeholder
     launch_strided(_pack_kv_kernel, kv, vv, rope[1], dr > 0, kt, vt, table, exact=(4, 5, 6))
     return ForwardOperands(qv, kv, vv, kt, vt, True, *rope)
 
@@ -1415,8 +1422,8 @@ def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=
     ``sequences`` (B = 1, a varlen call): several problems on rows of the S axes, each with its own plan (``plan``
     gives the fields they share: scale, keep_prob, sink, the precision flags), run as one launch whose tasks are
     balanced over all of them (:func:`_forward_tasks`); every sequence gets the bits it gets alone. q (and the
-    rope parts) are then read in place (views of the packed TND tensors), K and V still from copies, and rows of
-    no sequence are left as they are.
+    rope parts) are then read in place (views of the packed TND tensors), K and V too where only the brgemm's
+    packing reads them (else from copies), and rows of no sequence are left as they are.
     """
     B, N1, Sq, _ = q.shape
     in_place = sequences is not None
@@ -1428,7 +1435,11 @@ def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=
     table = _sequence_table(sequences, kplans, _FWD_BK)
     q, k, v = _widened(plan, q, k, v)
     rope = rope and _widened(plan, *rope)
-    operands = _forward_operands(q, _view(q, in_place), _view(k), _view(v), _rope_views(q, rope, in_place), table)
+    # on the brgemm K^T and bfloat16's V are packed per key block (_pack_kv_kernel) straight from TND rows, which
+    # costs less than copying the rows first; the float32 GEMMs read V itself, so from a copy
+    packs = in_place and _use_brgemm(q, k.shape[3], v.shape[3])
+    kv, vv = _view(k, packs), _view(v, packs and q.dtype != torch.float32)
+    operands = _forward_operands(q, _view(q, in_place), kv, vv, _rope_views(q, rope, in_place), table)
     launch_strided(_forward_kernel, operands, kplans[0], kernel_view(out), kernel_view(smax), kernel_view(ssum), table,
                    _forward_tasks(sequences, B, N1), kernel_threads(), exact=(1, 5, 6))
     return out, smax, ssum
@@ -1580,13 +1591,16 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     rope_operands = rope and _widened(plan, *rope)
     if plan.widen_gemm and not plan.round_probs:  # D = rowsum(P dP) = rowsum(dy * out) of the unrounded output
         out = flash_attention_forward(q, k, v, plan, rope=rope_operands, sequences=sequences if several else None)[0]
-    qv, kv, vv, dyv = _view(q, in_place), _view(k), _view(v), _view(dy, in_place)
+    packed = _use_brgemm(q, D, v.shape[3], rope_operands[0].shape[3] if rope_operands else 0)
+    # on the brgemm V^T and bfloat16's K are packed per key block (_pack_key_block) straight from TND rows; the
+    # float32 dQ GEMM reads K itself, so from a copy
+    kv, vv = _view(k, in_place and packed and q.dtype != torch.float32), _view(v, in_place and packed)
+    qv, dyv = _view(q, in_place), _view(dy, in_place)
     dr = np.empty((B, N1, Sq), np.float32)
     _row_dot_kernel(dyv, _view(out, in_place), dr)
     dq, dk, dv = (torch.empty(like.shape, dtype=dtype) if t is None else _unit_rows(t)
                   for t, like in ((dq, q), (dk, k), (dv, v)))
     smax, ssum = (_view(t.detach().float(), in_place) for t in (softmax_max, softmax_sum))
-    packed = _use_brgemm(q, D, v.shape[3], rope_operands[0].shape[3] if rope_operands else 0)
     qr, kr, has_rope = _rope_views(q, rope_operands, in_place)
     qrt = _transposed(rope_operands and rope_operands[0], packed, q)
     operands = BackwardOperands(qv, kv, vv, dyv, _transposed(q, packed, q), _transposed(dy, packed, q), smax, ssum,
