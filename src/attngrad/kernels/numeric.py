@@ -703,7 +703,7 @@ _X1, _X2, _X3, _X4, _X5 = _exp_coefficients(_E1, _E2, _E3, _E4, _E5)
 _Y1, _Y2, _Y3, _Y4 = _exp_coefficients(_H1, _H2, _H3, _H4)
 _LN2 = np.float32(0.6931471824645996)  # ln 2 rounded to float32 ...
 _LN2_REST = np.float32(-1.9046542121259336e-09)  # ... and the rest, ln 2 - _LN2, rounded
-_ROUNDER = np.float32(1.5 * 2**23 + 127)  # x + _ROUNDER, for |x| < 2**22, is in [2**23, 2**24): a whole number
+_ROUNDER = np.float32(1.5 * 2**23 + 127)  # x + _ROUNDER, for |x| <= 128, is in [2**23, 2**24): a whole number
 
 
 @intrinsic
@@ -713,8 +713,9 @@ def _exp_reduction(typingctx, d):
 
     One ``fma`` gives ``a = d log2 e + _ROUNDER`` rounded to a whole number, ``n = a - _ROUNDER`` exactly, and the
     low 9 bits of ``a``'s significand hold n + 127: shifted into the exponent field they make 2**n (n = -127 gives
-    +0.0). r and r_fine are one ``fma`` each. Written here without fast-math flags, so that LLVM cannot fold
-    ``(x + _ROUNDER) - _ROUNDER`` back to x; a nan d gives nan r."""
+    +0.0). r and r_fine are one ``fma`` each; a nan d gives nan r. The subtraction carries a fast-math flag set of
+    its own, without ``reassoc`` (numba's fast-math pass fills in only instructions that have none), so that LLVM
+    cannot fold ``_ROUNDER - (x + _ROUNDER)`` back to -x."""
     if d != types.float32:
         return None
 
@@ -724,6 +725,7 @@ def _exp_reduction(typingctx, d):
         rounder = ir.Constant(f32, float(_ROUNDER))
         a = builder.call(fma, [args[0], ir.Constant(f32, float(LOG2E)), rounder])
         minus_n = builder.fsub(rounder, a)
+        minus_n.flags.append("nsz")  # see above: no reassoc
         r = builder.call(fma, [minus_n, ir.Constant(f32, float(_LN2)), args[0]])
         r_fine = builder.call(fma, [minus_n, ir.Constant(f32, float(_LN2_REST)), r])
         pow2 = builder.bitcast(builder.shl(builder.bitcast(a, i32), ir.Constant(i32, 23)), f32)
@@ -751,9 +753,9 @@ def _exp_nonpositive(d, half):
 def _exp_nonpositive_impl(d, like):
     """A softmax's ``exp(z - max)`` (d = z - max <= 0, so no upper clamp), with the degree-5 polynomial for float32
     results (relative error < 2e-7) and the degree-4 one for bfloat16 / float16 results (< 3.2e-6), which round the
-    value to 8 or 11 bits anyway. The argument is reduced by ln 2 from d itself, never from a rounded
-    ``d * log2 e`` (whose rounding would cost up to |d| 2**-24 of relative error). e**(<= -88) = 0 exactly, nan
-    stays nan."""
+    value to 8 or 11 bits anyway (both for results of at least 2**-126). The argument is reduced by ln 2 from d
+    itself, never from a rounded ``d * log2 e`` (whose rounding would cost up to |d| 2**-24 of relative error).
+    e**d = 0 exactly below about -87.68 (n = -127), nan stays nan."""
     half = like.dtype != types.float32
     return lambda d, like: _exp_nonpositive(d, half)
 
