@@ -17,6 +17,8 @@ AVX-512 registers where LLVM's default for this CPU is 256 bits.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, types
@@ -696,13 +698,13 @@ _H4 = np.float32(0.009582847356796265)
 def _exp_coefficients(*pow2_coefficients):
     """Coefficients of e**r = 2**(r log2 e) from those of a 2**f polynomial in f: c_k (log2 e)**k, so the fit
     keeps its relative error on |r| <= ln(2) / 2."""
-    return tuple(np.float32(float(c) * 1.4426950408889634**k) for k, c in enumerate(pow2_coefficients, 1))
+    return tuple(np.float32(float(c) * math.log2(math.e)**k) for k, c in enumerate(pow2_coefficients, 1))
 
 
 _X1, _X2, _X3, _X4, _X5 = _exp_coefficients(_E1, _E2, _E3, _E4, _E5)
 _Y1, _Y2, _Y3, _Y4 = _exp_coefficients(_H1, _H2, _H3, _H4)
-_LN2 = np.float32(0.6931471824645996)  # ln 2 rounded to float32 ...
-_LN2_REST = np.float32(-1.9046542121259336e-09)  # ... and the rest, ln 2 - _LN2, rounded
+_LN2 = np.float32(math.log(2))  # ln 2 rounded to float32 ...
+_LN2_REST = np.float32(math.log(2) - float(_LN2))  # ... and the rest, rounded
 _ROUNDER = np.float32(1.5 * 2**23 + 127)  # x + _ROUNDER, for |x| <= 128, is in [2**23, 2**24): a whole number
 
 
