@@ -105,9 +105,9 @@ from .flash_attention_plan import MASKED_LOGIT, AttentionPlan
 from .gemm_paths import CALIBRATED_DTYPES, WIDENED, gemm_path
 from .gemm import BRGEMM_DTYPES, NO_TRANS, TRANS, brgemm, brgemm_release, gemm
 from .layouts import launch_strided
-from .numeric import (FASTMATH, LOG2E, TRANSPOSE_BLOCK, aligned_empty, array_at, exp2_32, exp32, fmaximum, narrow,
-                      narrow_ftz, prefer_512_bit_vectors, prefetch_bytes, row_address, row_view, transpose_matrix,
-                      unowned, widen)
+from .numeric import (FASTMATH, LOG2E, TRANSPOSE_BLOCK, aligned_empty, array_at, exp2_32, exp32, exp_nonpositive,
+                      fmaximum, narrow, narrow_ftz, prefer_512_bit_vectors, prefetch_bytes, row_address, row_view,
+                      transpose_matrix, unowned, widen)
 from .tensor_view import kernel_view, new_output
 from .threads import claim, kernel_threads, on_torch_threads
 
@@ -583,12 +583,12 @@ def _forward_tile(work, tile, general, plan):
         if dropout:
             _row_keep_factors(plan, tile, r, f)
             for c in range(cols):
-                e = exp2_32((s[r, c] * scale - new) * LOG2E)
+                e = exp_nonpositive(s[r, c] * scale - new, plan.probs_like)
                 p[r, c] = _operand(e * f[c], plan.probs_like, p)
                 total += e
         else:
             for c in range(cols):
-                e = exp2_32((s[r, c] * scale - new) * LOG2E)
+                e = exp_nonpositive(s[r, c] * scale - new, plan.probs_like)
                 p[r, c] = _operand(e, plan.probs_like, p)
                 total += e
         l[r] = l[r] * alpha + total
