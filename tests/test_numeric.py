@@ -14,6 +14,7 @@
 * ``fmaximum`` propagates nan (the reduction the softmax kernel relies on); ``fmax_any_nan`` finds the max;
 * ``prefetch`` / ``prefetch_l2`` compile to hints that change nothing; ``prefetch_bytes`` emits the level asked for;
 * ``copy_row`` copies exactly the requested bytes, streamed or not, at every alignment of both ends;
+* ``select_bits`` expands 16 bits at every bit offset of a byte to ``value`` / 0 and writes nothing else;
 * ``unowned`` views an array with its shape and strides (reads and writes reach the array).
 """
 
@@ -30,8 +31,8 @@ from numba import njit, prange
 from attngrad.kernels.numeric import (FASTMATH, HAS_AVX512_BF16, NO_POSITIVE, STREAM_MIN_BYTES, _f16_to_f32,
                                       _f32_to_f16, aligned_empty, copy_row, exp2_32, exp_nonpositive, exp32,
                                       exp_for, fmax_any_nan, fmaximum, narrow, narrow_fast, narrow_finite, narrow_ftz,
-                                      prefetch, prefetch_bytes, prefetch_l2, smallest_positive, stream_fence, streams,
-                                      track_smallest_positive, transpose_matrix, unowned, widen)
+                                      prefetch, prefetch_bytes, prefetch_l2, select_bits, smallest_positive,
+                                      stream_fence, streams, track_smallest_positive, transpose_matrix, unowned, widen)
 from attngrad.kernels.tensor_view import kernel_view
 
 LOW_DTYPES = [torch.float16, torch.bfloat16]
@@ -373,6 +374,26 @@ def test_copy_row_writes_exactly_the_requested_bytes(stream):
             expected = np.zeros(1024, dtype=np.uint8)
             expected[offset:offset + nbytes] = src[3:3 + nbytes]
             assert np.array_equal(dst, expected), (offset, nbytes)
+
+
+@njit
+def _select_bits_at(bits, byte, shift, value, out, at):
+    select_bits(bits.ctypes.data + byte, shift, value, out.ctypes.data + at * 4)
+
+
+def test_select_bits_expands_sixteen_bits_at_every_offset():
+    rng = np.random.default_rng(3)
+    bits = rng.integers(0, 256, 40, dtype=np.uint8)
+    flat = np.unpackbits(bits, bitorder="little")
+    value = np.float32(1.0) / np.float32(0.7)
+    for byte in (0, 5, 36):  # 36: the last four bytes
+        for shift in range(8):
+            out = np.full(20, -1.0, np.float32)
+            _select_bits_at(bits, byte, shift, value, out, 3)
+            start = 8 * byte + shift
+            expected = np.where(flat[start:start + 16] == 1, value, np.float32(0.0))
+            assert np.array_equal(out[3:19], expected), (byte, shift)
+            assert (out[:3] == -1).all() and (out[19:] == -1).all()
 
 
 def test_streams_only_outputs_larger_than_the_threshold():

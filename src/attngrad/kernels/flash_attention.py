@@ -105,9 +105,9 @@ from .flash_attention_plan import MASKED_LOGIT, AttentionPlan
 from .gemm_paths import CALIBRATED_DTYPES, WIDENED, gemm_path
 from .gemm import BRGEMM_DTYPES, NO_TRANS, TRANS, brgemm, brgemm_release, gemm
 from .layouts import launch_strided
-from .numeric import (FASTMATH, LOG2E, TRANSPOSE_BLOCK, aligned_empty, array_at, exp2_32, exp32, exp_nonpositive,
-                      fmaximum, narrow, narrow_ftz, prefer_512_bit_vectors, prefetch_bytes, row_address, row_view,
-                      transpose_matrix, unowned, widen)
+from .numeric import (FASTMATH, LOG2E, SELECT_BITS, TRANSPOSE_BLOCK, aligned_empty, array_at, exp2_32, exp32,
+                      exp_nonpositive, fmaximum, narrow, narrow_ftz, prefer_512_bit_vectors, prefetch_bytes,
+                      row_address, row_view, select_bits, transpose_matrix, unowned, widen)
 from .tensor_view import kernel_view, new_output
 from .threads import claim, kernel_threads, on_torch_threads
 
@@ -481,17 +481,15 @@ def _mask_row(plan, b, n, i, j0, cols):
 
 @njit(inline="always")
 def _keep_factors(drop, e0, cols, table, f):
-    """f[c] = dropout factor M / keep_prob of flat element e0 + c from the LSB-first packed keep mask: a whole byte
-    at a time from ``table`` (:func:`_keep_factor_table`), eight floats copied."""
+    """f[c] = dropout factor M / keep_prob of flat element e0 + c from the LSB-first packed keep mask: 16 at a time
+    by :func:`.numeric.select_bits` while its 4-byte read stays inside the mask, the rest from ``table``
+    (:func:`_keep_factor_table`; its entry [255, 0] is 1 / keep_prob)."""
+    keep, last = table[255, 0], drop.size * 8 - 32
     c = 0
-    while c < cols and (e0 + c) & 7:
-        f[c] = table[drop[(e0 + c) >> 3], (e0 + c) & 7]
-        c += 1
-    while c + 8 <= cols:
-        factors = table[drop[(e0 + c) >> 3]]
-        for t in range(8):
-            f[c + t] = factors[t]
-        c += 8
+    while c + SELECT_BITS <= cols and e0 + c <= last:
+        e = e0 + c
+        select_bits(drop.ctypes.data + (e >> 3), e & 7, keep, f.ctypes.data + c * 4)
+        c += SELECT_BITS
     while c < cols:
         f[c] = table[drop[(e0 + c) >> 3], (e0 + c) & 7]
         c += 1

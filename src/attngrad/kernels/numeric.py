@@ -11,8 +11,8 @@ compile target has them, else the exact integer versions below; both give the sa
 
 Vector code: LLVM vectorises a loop only through operations it can prove lane-independent, so the helpers
 here are written as LLVM intrinsics where numba's own lowering would block it (``fmaximum`` for a max
-reduction, ``rint`` and a 2**n bit build in ``exp32``), and ``prefer_512_bit_vectors`` lets a kernel use
-AVX-512 registers where LLVM's default for this CPU is 256 bits.
+reduction, ``rint`` and a 2**n bit build in ``exp32``, a bit mask expanded to floats in ``select_bits``), and
+``prefer_512_bit_vectors`` lets a kernel use AVX-512 registers where LLVM's default for this CPU is 256 bits.
 """
 
 from __future__ import annotations
@@ -241,6 +241,37 @@ def transpose_matrix(src, src_pitch, dst, dst_pitch, rows, cols, like):
     for r in range(rows):  # the right edge of the whole rows, then the bottom rows
         for c in range(whole_cols if r < whole_rows else 0, cols):
             target[c * dst_step + r] = source[r * src_step + c]
+
+
+SELECT_BITS = 16  # floats written by one select_bits
+
+
+@intrinsic
+def select_bits(typingctx, src, shift, value, dst):
+    """The 16 float32 at address dst: ``value`` where bit ``shift + t`` of the LSB-first bit string at address src
+    is set, else 0 (t < 16, 0 <= shift < 8). One unaligned 4-byte load (all four bytes must be readable), a shift,
+    and one select on a 16-lane mask: a bit mask expanded to floats by a vector store, where LLVM turns a loop
+    over the bits into a test and a scalar store per bit."""
+    if not (isinstance(src, types.Integer) and isinstance(shift, types.Integer) and value == types.float32
+            and isinstance(dst, types.Integer)):
+        return None
+    lanes = ir.VectorType(ir.FloatType(), SELECT_BITS)
+
+    def codegen(context, builder, sig, args):
+        i32 = ir.IntType(32)
+        source, target = (context.cast(builder, args[k], sig.args[k], types.intp) for k in (0, 3))
+        word = builder.load(builder.inttoptr(source, i32.as_pointer()), align=1)
+        bits = builder.trunc(builder.lshr(word, context.cast(builder, args[1], sig.args[1], types.int32)),
+                             ir.IntType(SELECT_BITS))
+        mask = builder.bitcast(bits, ir.VectorType(ir.IntType(1), SELECT_BITS))
+        one = builder.insert_element(ir.Constant(lanes, ir.Undefined), args[2], ir.Constant(i32, 0))
+        splat = builder.shuffle_vector(one, ir.Constant(lanes, ir.Undefined),
+                                       ir.Constant(ir.VectorType(i32, SELECT_BITS), None))
+        chosen = builder.select(mask, splat, ir.Constant(lanes, None))
+        builder.store(chosen, builder.inttoptr(target, lanes.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.void(src, shift, value, dst), codegen
 
 
 STREAM_MIN_BYTES = 16 << 20  # outputs from this size on are written by non-temporal stores (copy_row)
