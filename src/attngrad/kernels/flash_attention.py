@@ -92,7 +92,6 @@ from the slopes. Dropout bits are unpacked a byte at a time per row.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -147,7 +146,7 @@ class KernelPlan(NamedTuple):
     sq: int
     skv: int
     scale: np.float32
-    keep_factors: np.ndarray  # float32 [256, 8]: the dropout factors of the 8 bits of each keep-mask byte
+    keep_factor: np.float32  # 1 / keep_prob: the dropout factor of a kept element (0 for a dropped one)
     probs_like: np.ndarray  # 1 element of the type P and dS are rounded to before their GEMMs (:func:`_operand`)
     sink: np.ndarray  # float32 [N1]: the sink logit of each head, read when has_sink
     has_sink: bool
@@ -160,7 +159,7 @@ def _unowned_plan(plan):
     shared by every thread)."""
     return KernelPlan(unowned(plan.mask), unowned(plan.pse), unowned(plan.prefix), unowned(plan.drop), plan.pre,
                       plan.nxt, plan.has_mask, plan.pse_kind, plan.pse_first, plan.shift, plan.dropout, plan.dpse,
-                      plan.invalid_rows, plan.n1, plan.sq, plan.skv, plan.scale, unowned(plan.keep_factors),
+                      plan.invalid_rows, plan.n1, plan.sq, plan.skv, plan.scale, plan.keep_factor,
                       unowned(plan.probs_like), unowned(plan.sink), plan.has_sink)
 
 
@@ -319,11 +318,11 @@ def _size(shape):
 @njit(inline="always")
 def _sequence_plan(plan, table, s):
     """Sequence s's :class:`KernelPlan`: its own fields (``_PLAN_INTS``, ``_PLAN_ARRAYS``) from the table, the
-    launch's common ones (scale, dropout factors, rounding type, sink) from ``plan``."""
+    launch's common ones (scale, dropout factor, rounding type, sink) from ``plan``."""
     v, a = table.ints[s], table.arrays[s]
     return KernelPlan(_table_array(plan.mask, a[0]), _table_array(plan.pse, a[1]), _table_array(plan.prefix, a[2]),
                       _table_array(plan.drop, a[3]), v[0], v[1], v[2] != 0, v[3], v[4] != 0, v[5], v[6] != 0,
-                      v[7] != 0, v[8] != 0, v[9], v[10], v[11], plan.scale, plan.keep_factors, plan.probs_like,
+                      v[7] != 0, v[8] != 0, v[9], v[10], v[11], plan.scale, plan.keep_factor, plan.probs_like,
                       plan.sink, plan.has_sink)
 
 
@@ -480,18 +479,19 @@ def _mask_row(plan, b, n, i, j0, cols):
 
 
 @njit(inline="always")
-def _keep_factors(drop, e0, cols, table, f):
-    """f[c] = dropout factor M / keep_prob of flat element e0 + c from the LSB-first packed keep mask: 16 at a time
-    by :func:`.numeric.select_bits` while its 4-byte read stays inside the mask, the rest from ``table``
-    (:func:`_keep_factor_table`; its entry [255, 0] is 1 / keep_prob)."""
-    keep, last = table[255, 0], drop.size * 8 - 32
+def _keep_factors(drop, e0, cols, keep, f):
+    """f[c] = dropout factor of flat element e0 + c from the LSB-first packed keep mask: ``keep`` (1 / keep_prob)
+    where its bit is set, else 0; 16 at a time by :func:`.numeric.select_bits` while its 4-byte read stays inside
+    the mask, the last few bit by bit."""
+    last = drop.size * 8 - 32
     c = 0
     while c + SELECT_BITS <= cols and e0 + c <= last:
         e = e0 + c
         select_bits(drop.ctypes.data + (e >> 3), e & 7, keep, f.ctypes.data + c * 4)
         c += SELECT_BITS
     while c < cols:
-        f[c] = table[drop[(e0 + c) >> 3], (e0 + c) & 7]
+        e = e0 + c
+        f[c] = keep if (drop[e >> 3] >> (e & 7)) & 1 else np.float32(0.0)
         c += 1
 
 
@@ -499,7 +499,7 @@ def _keep_factors(drop, e0, cols, table, f):
 def _row_keep_factors(plan, tile, r, f):
     """:func:`_keep_factors` of row r of the tile (flat keep-mask element ``((b*N1 + n)*Sq + i)*Skv + j``)."""
     b, n, i0, _, j0, cols = tile
-    _keep_factors(plan.drop, ((b * plan.n1 + n) * plan.sq + i0 + r) * plan.skv + j0, cols, plan.keep_factors, f)
+    _keep_factors(plan.drop, ((b * plan.n1 + n) * plan.sq + i0 + r) * plan.skv + j0, cols, plan.keep_factor, f)
 
 
 @njit(inline="always")
@@ -1296,17 +1296,9 @@ def _kernel_plan(plan: AttentionPlan, q: torch.Tensor, sq: int, skv: int, dpse: 
                       pse_first=bool(plan.pse_type == 1), shift=int(plan.kv_start_idx - plan.q_start_idx),
                       dropout=bool(plan.has_dropout), dpse=bool(dpse), invalid_rows=bool(plan.invalid_rows),
                       n1=int(n1), sq=int(sq), skv=int(skv), scale=scale,
-                      keep_factors=_keep_factor_table(plan.keep_prob),
+                      keep_factor=np.float32(1.0) / np.float32(plan.keep_prob),
                       probs_like=kernel_view(q.new_zeros(1, dtype=q.dtype if plan.round_probs else torch.float32)),
                       sink=sink, has_sink=plan.sink is not None)
-
-
-@functools.lru_cache(maxsize=8)
-def _keep_factor_table(keep_prob: float) -> np.ndarray:
-    """float32 ``[256, 8]``: entry [byte, t] is the dropout factor of bit t of a keep-mask byte, ``1 / keep_prob``
-    (rounded to float32) where the bit is set, else 0. Cached: the kernels only read it."""
-    bits = (np.arange(256)[:, None] >> np.arange(8)) & 1
-    return np.where(bits == 1, np.float32(1.0) / np.float32(keep_prob), np.float32(0.0)).astype(np.float32)
 
 
 def _sequence_table(sequences: list[Sequence], kplans: list[KernelPlan], key_block: int,
