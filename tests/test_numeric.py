@@ -28,9 +28,9 @@ import pytest
 import torch
 from numba import njit, prange
 
-from attngrad.kernels.numeric import (FASTMATH, HAS_AVX512_BF16, NO_POSITIVE, STREAM_MIN_BYTES, _f16_to_f32,
-                                      _f32_to_f16, aligned_empty, copy_row, exp2_32, exp_nonpositive, exp32,
-                                      exp_for, fmax_any_nan, fmaximum, narrow, narrow_fast, narrow_finite, narrow_ftz,
+from attngrad.kernels.numeric import (FASTMATH, FLOAT16_GRID_LIMIT, HAS_AVX512_BF16, NO_POSITIVE, STREAM_MIN_BYTES,
+                                      _f16_to_f32, _f32_to_f16, aligned_empty, copy_row, exp2_32, exp_nonpositive,
+                                      exp32, exp_for, float16_grid, fmax_any_nan, fmaximum, narrow, narrow_fast, narrow_finite, narrow_ftz,
                                       prefetch, prefetch_bytes, prefetch_l2, select_bits, smallest_positive,
                                       stream_fence, streams, track_smallest_positive, transpose_matrix, unowned, widen)
 from attngrad.kernels.tensor_view import kernel_view
@@ -65,6 +65,14 @@ def _f16_fallback_narrow(v):
     out = np.empty(v.size, dtype=np.int16)
     for i in range(v.size):
         out[i] = _f32_to_f16(v[i])
+    return out
+
+
+@njit(fastmath=FASTMATH)  # as the kernels compile it: the add and subtract must survive fast-math
+def _float16_grid_all(v):
+    out = np.empty_like(v)
+    for i in range(v.size):
+        out[i] = float16_grid(v[i])
     return out
 
 
@@ -167,6 +175,18 @@ def test_float16_integer_fallback_narrows_like_torch():
     v = narrow_inputs()
     got = torch.from_numpy(_f16_fallback_narrow(v.numpy())).view(torch.float16)
     assert_same_floats(got, v.to(torch.float16), nan_sign=False)
+
+
+def test_float16_grid_rounds_like_the_float16_conversion_below_its_limit():
+    v = narrow_inputs()
+    got = torch.from_numpy(_float16_grid_all(v.numpy()))
+    inside = ~(v.abs() >= FLOAT16_GRID_LIMIT) | v.isinf()  # nans and infinities included
+    # + 0.0 turns -0.0 into +0.0: the grid's zeros may carry either sign
+    assert_same_floats(got[inside] + 0.0, v[inside].to(torch.float16).float() + 0.0, nan_sign=False)
+    # float16 overflows from the limit on; below 2**115 the grid stays finite there, at least as large as the limit
+    over = ~inside & (v.abs() < 2.0**115)
+    assert got[over].isfinite().all() and (got[over].abs() >= FLOAT16_GRID_LIMIT).all()
+    assert torch.equal(torch.signbit(got[over]), torch.signbit(v[over]))
 
 
 def test_narrow_float32_is_identity():

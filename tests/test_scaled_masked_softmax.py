@@ -296,6 +296,31 @@ def test_fp16_scaled_overflow_follows_the_fp16_golden(sign):
         assert torch.isfinite(check_forward(x.to(dtype), mask, 2.0)).all()
 
 
+@pytest.mark.parametrize("s2", [8, 300])  # rows in the software pipeline's middle, not only at a block's ends
+def test_fp16_rows_whose_max_lies_near_the_scaled_overflow(s2):
+    # x * 2 in fp16: x <= -32760 overflows to -inf. Rows: all overflowed (nan row); an overflowed logit beside a max
+    # of -65408, of -65472 and of -65504 (probability 0 for it, the rest a softmax); all overflowed but a masked one
+    base = [[-32760.0, -32768.0], [-60000.0, -32704.0], [-60000.0, -32736.0], [-32760.0, -32752.0],
+            [-60000.0, -40000.0]]
+    rows = 4 * len(base)
+    x = torch.empty(1, 1, rows, s2)
+    for r in range(rows):
+        first, rest = base[r % len(base)]
+        x[0, 0, r] = rest - torch.arange(s2) % 3
+        x[0, 0, r, r % s2] = first
+    x = x.to(torch.float16)
+    mask = torch.zeros(1, 1, rows, s2, dtype=torch.bool)
+    mask[0, 0, 4::len(base), 1] = True
+    y = check_forward(x, mask, 2.0)
+    assert torch.isnan(y[0, 0, ::len(base)]).all()
+    finite = torch.ones(rows, dtype=torch.bool)
+    finite[::len(base)] = False
+    assert torch.isfinite(y[0, 0, finite]).all()
+    for kind in (1, 2, 3):  # the overflowed logit: exactly 0, where a finite stand-in 32 below the max would not be
+        r = torch.arange(kind, rows, len(base))
+        assert (y[0, 0, r, r % s2] == 0).all()
+
+
 def test_unmasked_logit_below_mask_value():
     # an unmasked logit <= -10000 lets the masked positions (-10000) take the probability mass
     x = torch.tensor([-20000.0, 0.0, -30000.0]).view(1, 1, 1, 3)

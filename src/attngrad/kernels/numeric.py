@@ -399,6 +399,7 @@ def _target_has(feature: str) -> bool:
 
 HAS_F16C = _target_has("f16c")
 HAS_AVX512_BF16 = _target_has("avx512bf16")
+HAS_AVX512_FP16 = _target_has("avx512fp16")
 
 
 class _BFloatType(ir.types._BaseFloatType):
@@ -438,6 +439,40 @@ def _f32_to_f16c(typingctx, v):
         return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
 
     return types.int16(v), codegen
+
+
+FLOAT16_GRID_LIMIT = np.float32(65520.0)  # |v| from here on rounds to a float16 inf; float16_grid stays finite
+
+
+@intrinsic
+def float16_grid(typingctx, v):
+    """float32 v rounded to the nearest float16 value (half to even, float16 subnormals included), kept in
+    float32: the value of ``widen(narrow(v, float16))`` (the sign of a zero aside) for every |v| <
+    ``FLOAT16_GRID_LIMIT``, for infinities and nans. A finite |v| from the limit on, where float16 overflows,
+    gives a finite value at least as large (from 2**115 on: any value, inf or nan): callers check their range.
+
+    ``(v + c) - c`` with c = sign(v) 2**(e + 13), e = v's exponent but at least -14: the sum's last bit has
+    the weight of v's float16 ulp (2**-24 below 2**-14, the float16 subnormals), so the add rounds v there.
+    Four integer operations make c; the add and the subtract carry a fast-math flag set without ``reassoc``
+    (numba's fast-math pass fills in only instructions that have none), so LLVM cannot fold them away. Two
+    conversions (``vcvtps2ph``, ``vcvtph2ps``) would do the same with float16 overflow, at a higher cost."""
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        f32, i32 = ir.FloatType(), ir.IntType(32)
+        bits = builder.bitcast(args[0], i32)
+        c = builder.add(builder.and_(bits, ir.Constant(i32, 0xFF800000)), ir.Constant(i32, 13 << 23))
+        lowest = builder.or_(builder.and_(bits, ir.Constant(i32, 0x80000000)), ir.Constant(i32, 0x3F000000))
+        umax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [i32, i32]), "llvm.umax.i32")
+        c = builder.bitcast(builder.call(umax, [c, lowest]), f32)  # +-0.5 at least: unsigned max keeps the sign
+        total = builder.fadd(args[0], c)
+        total.flags.append("nsz")
+        rounded = builder.fsub(total, c)
+        rounded.flags.append("nsz")
+        return rounded
+
+    return types.float32(v), codegen
 
 
 @njit(inline="always")

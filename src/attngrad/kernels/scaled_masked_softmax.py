@@ -24,7 +24,9 @@ written once:
   compute-bound) at once;
 * the bf16/fp16 forward is compute-bound, so its row loop is kept short: ``exp_nonpositive`` (no overflow
   clamp, 2**n built from the rounding of the argument reduction, a degree-4 polynomial for bf16/fp16 outputs),
-  a one-``vmaxps`` row max (``numeric.fmax_any_nan``), the fp16 scaling as one float16 multiply, and bf16
+  a one-``vmaxps`` row max (``numeric.fmax_any_nan``), the fp16 scaling as one float16 multiply with
+  AVX512-FP16, else by ``numeric.float16_grid`` without conversions (a row whose max says that a product
+  may have overflowed is loaded again by conversions: :func:`_checked_top`), and bf16
   rounding by ``narrow_fast`` (the one-instruction ``narrow_ftz`` with AVX512-BF16, else the integer rounding
   without its nan test) when it is exact for the row: no output is a nan (a row of nans has a nan sum) and, with
   ``narrow_ftz``, none is a float32 subnormal (the exp loop tracks the row's smallest positive exp for that test,
@@ -43,9 +45,10 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from .layouts import strided_layout
-from .numeric import (FASTMATH, NO_POSITIVE, aligned_empty, array_at, copy_row, exp_nonpositive, fmax_any_nan,
-                      narrow, narrow_fast, narrow_finite, narrow_ftz_exact, prefer_512_bit_vectors, prefetch_bytes,
-                      row_address, row_view, stream_fence, track_flushable, track_nan, widen)
+from .numeric import (FASTMATH, FLOAT16_GRID_LIMIT, HAS_AVX512_FP16, NO_POSITIVE, aligned_empty, array_at, copy_row,
+                      exp_nonpositive, float16_grid, fmax_any_nan, narrow, narrow_fast, narrow_finite, narrow_ftz_exact,
+                      prefer_512_bit_vectors, prefetch_bytes, row_address, row_view, stream_fence, track_flushable,
+                      track_nan, widen)
 from .threads import on_torch_threads
 
 MASK_VALUE = np.float32(-10000.0)  # CANN fills masked logits with -10000, not -inf
@@ -69,15 +72,24 @@ def _f16_mul(typingctx, h, s):
 
 
 def _rounded_product(x, scale, like):  # pragma: no cover - compiled through the overload below
-    """x * scale rounded to the element type of ``like``, as float32 (CANN's fp16 path scales in fp16)."""
+    """x * scale rounded to the element type of ``like``, as float32 (CANN's fp16 path scales in fp16). float16:
+    one float16 multiply with AVX512-FP16, else ``numeric.float16_grid`` of the float32 product (exact: the
+    product of two float16 values is), which misses float16 overflow (:func:`_checked_top`)."""
     raise NotImplementedError
 
 
 @overload(_rounded_product, inline="always")
 def _rounded_product_impl(x, scale, like):
-    if x == types.int16:
+    if x == types.int16 and HAS_AVX512_FP16:
         return lambda x, scale, like: _f16_mul(x, scale)
+    if x == types.int16:
+        return lambda x, scale, like: float16_grid(widen(x) * scale)
     return lambda x, scale, like: widen(narrow(widen(x) * scale, like))
+
+
+# float16_grid leaves a logit that overflows float16 finite (at most -65536 where float16 has -inf): with the row
+# max at least 88 above that, its exp is 0 either way (numeric.exp_nonpositive), and no logit overflowed upwards
+_GRID_TOP_LOW = np.float32(-65536.0 + 88.0)
 
 
 @intrinsic
@@ -153,21 +165,34 @@ def _logit_rows(x, mask, row, scratch):
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _logit(xr, mr, j, scale, round_scaled):
+def _logit(xr, mr, j, scale, round_scaled, exact):
     """where(mask, -10000, x * scale) in fp32 at column j of the rows xr, mr; the fp16 path rounds x * scale to
-    fp16 first (CANN)."""
-    z = _rounded_product(xr[j], scale, xr) if round_scaled else widen(xr[j]) * scale
+    fp16 first (CANN): by :func:`_rounded_product`, with ``exact`` by the float16 conversion."""
+    z = widen(xr[j]) * scale
+    if round_scaled:
+        z = widen(narrow(z, xr)) if exact else _rounded_product(xr[j], scale, xr)
     return MASK_VALUE if mr[j] else z
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _load_row(xr, mr, scale, round_scaled, bufs, k):
-    """bufs[k] = logits of the rows xr, mr; returns their max."""
+def _load_row(xr, mr, scale, round_scaled, exact, bufs, k):
+    """bufs[k] = logits of the rows xr, mr (:func:`_logit`); returns their max."""
     top = np.float32(-np.inf)
     for j in range(bufs.shape[1]):
-        z = _logit(xr, mr, j, scale, round_scaled)
+        z = _logit(xr, mr, j, scale, round_scaled, exact)
         bufs[k, j] = z
         top = fmax_any_nan(top, z)
+    return top
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _checked_top(top, xr, mr, scale, round_scaled, bufs, k):
+    """``top``, the max of the logits in bufs[k] (rows xr, mr), or, where float16 products rounded by
+    ``numeric.float16_grid`` may have overflowed in a way that changes the row (the max outside
+    [``_GRID_TOP_LOW``, ``FLOAT16_GRID_LIMIT``), or a nan), the max of the row loaded again by the float16
+    conversion (:func:`_load_row` with ``exact``)."""
+    if round_scaled and not HAS_AVX512_FP16 and not _GRID_TOP_LOW <= top < FLOAT16_GRID_LIMIT:
+        return _load_row(xr, mr, scale, round_scaled, True, bufs, k)
     return top
 
 
@@ -244,7 +269,7 @@ def _pipelined_loop(rounding, xr, mr, scale, round_scaled, bufs, stages, top, in
     top_next = np.float32(-np.inf)
     for j in range(np.uint64(bufs.shape[1])):
         out[j] = rounding(bufs[prv, j] * inv, y)
-        z = _logit(xr, mr, j, scale, round_scaled)
+        z = _logit(xr, mr, j, scale, round_scaled, False)
         bufs[nxt, j] = z
         top_next = fmax_any_nan(top_next, z)
         e = exp_nonpositive(bufs[cur, j] - top, y)
@@ -277,7 +302,8 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
     b2, n2, s2 = _next_row(b1, n1, s1, N, S1)
     b3, n3, s3 = _next_row(b2, n2, s2, N, S1)
     xr, mr = _logit_rows(x, mask, _row_of(b1, n1, s1, mask), scratch)
-    top_next = _load_row(xr, mr, scale, round_scaled, bufs, 0)
+    top_next = _checked_top(_load_row(xr, mr, scale, round_scaled, False, bufs, 0), xr, mr, scale, round_scaled,
+                            bufs, 0)
     inv = np.float32(0.0)
     fast = True
     for r in range(first, last):
@@ -293,6 +319,7 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
             xr, mr = _logit_rows(x, mask, row_nxt, scratch)
             total, top_next, tiny = _pipelined_row(xr, mr, scale, round_scaled, bufs, (cur, nxt, prv), top, inv,
                                                    out, y, fast)
+            top_next = _checked_top(top_next, xr, mr, scale, round_scaled, bufs, nxt)
             if split < S2:
                 _prefetch_columns(x, mask, row_after, r + 2 < last, split, S2)
         else:  # first and last row of the block: the three stages one after the other
@@ -301,7 +328,8 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
                 _round_row(bufs, prv, inv, out, y, fast)
             if r + 1 < last:
                 xr, mr = _logit_rows(x, mask, row_nxt, scratch)
-                top_next = _load_row(xr, mr, scale, round_scaled, bufs, nxt)
+                top_next = _checked_top(_load_row(xr, mr, scale, round_scaled, False, bufs, nxt), xr, mr, scale,
+                                        round_scaled, bufs, nxt)
             total, tiny = _exp_row(bufs, cur, top, y)
         if r > first:
             _put_row(y, y_address, _row_of(b0, n0, s0, mask), out, out_address, stream)
