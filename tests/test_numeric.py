@@ -30,9 +30,10 @@ from numba import njit, prange
 
 from attngrad.kernels.numeric import (FASTMATH, FLOAT16_GRID_LIMIT, HAS_AVX512_BF16, NO_POSITIVE, STREAM_MIN_BYTES,
                                       _f16_to_f32, _f32_to_f16, aligned_empty, copy_row, exp2_32, exp_nonpositive,
-                                      exp32, exp_for, float16_grid, fmax_any_nan, fmaximum, narrow, narrow_fast, narrow_finite, narrow_ftz,
-                                      prefetch, prefetch_bytes, prefetch_l2, select_bits, smallest_positive,
-                                      stream_fence, streams, track_smallest_positive, transpose_matrix, unowned, widen)
+                                      exp32, exp_for, float16_grid, fmax_any_nan, fmaximum, narrow, narrow_fast,
+                                      narrow_finite, narrow_ftz, prefetch, prefetch_bytes, prefetch_l2, select_bits,
+                                      smallest_positive, stream_fence, streams, track_smallest_positive,
+                                      transpose_matrix, unowned, widen)
 from attngrad.kernels.tensor_view import kernel_view
 
 LOW_DTYPES = [torch.float16, torch.bfloat16]
