@@ -87,7 +87,7 @@ skipped; a tile entirely inside it and without an atten_mask to read takes the f
 per-element tests; the others go through ``_modify_scores``, the per-row score modifier (scale, pse,
 band / prefix / mask). The pse is never expanded: each row reads its slice of the dense
 ``[Bp, N1, Sp, Skv]`` pse or of the alibi-compressed ``[Bp, N1, 1024, Skv]`` one, or generates the alibi
-from the slopes. Dropout bits are unpacked a byte at a time per row.
+from the slopes. Dropout bits become a row's keep factors sixteen at a time (``numeric.select_bits``).
 """
 
 from __future__ import annotations

@@ -834,10 +834,11 @@ def exp2_32(t):
     2**(<= -127) = 0, 2**(+inf) = inf, nan stays nan (the lower clamp is written so that a nan passes through
     it: one ``vmaxps``).
 
-    The softmax kernels compute ``exp(z - m)`` as ``exp2_32((z - m) * log2 e)``: ``z - m`` is exact when z is
+    The flash attention backward computes ``exp(z - m)`` as ``exp2_32((z - m) * log2 e)`` (its m comes from the
+    caller's statistics, so ``z - m`` may be positive and must overflow to inf): ``z - m`` is exact when z is
     near the row max m (where the large terms are), and the Cody-Waite reduction of :func:`exp32` is not
     needed (t - rint(t) is exact). Folding log2 e into the scale instead would round ``m * log2 e``, an error
-    of up to ``ulp(m)`` in t for large logits.
+    of up to ``ulp(m)`` in t for large logits. Where ``z - m <= 0`` holds, :func:`exp_nonpositive` is more precise.
     """
     t = _MIN_POW if t < _MIN_POW else t
     n = _rint(t)

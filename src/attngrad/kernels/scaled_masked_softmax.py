@@ -186,6 +186,13 @@ def _load_row(xr, mr, scale, round_scaled, exact, bufs, k):
 
 
 @njit(inline="always", fastmath=FASTMATH)
+def _load_checked_row(xr, mr, scale, round_scaled, bufs, k):
+    """:func:`_load_row` (its fast rounding) with :func:`_checked_top`: bufs[k] = the logits; returns their max."""
+    top = _load_row(xr, mr, scale, round_scaled, False, bufs, k)
+    return _checked_top(top, xr, mr, scale, round_scaled, bufs, k)
+
+
+@njit(inline="always", fastmath=FASTMATH)
 def _checked_top(top, xr, mr, scale, round_scaled, bufs, k):
     """``top``, the max of the logits in bufs[k] (rows xr, mr), or, where float16 products rounded by
     ``numeric.float16_grid`` may have overflowed in a way that changes the row (the max outside
@@ -302,8 +309,7 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
     b2, n2, s2 = _next_row(b1, n1, s1, N, S1)
     b3, n3, s3 = _next_row(b2, n2, s2, N, S1)
     xr, mr = _logit_rows(x, mask, _row_of(b1, n1, s1, mask), scratch)
-    top_next = _checked_top(_load_row(xr, mr, scale, round_scaled, False, bufs, 0), xr, mr, scale, round_scaled,
-                            bufs, 0)
+    top_next = _load_checked_row(xr, mr, scale, round_scaled, bufs, 0)
     inv = np.float32(0.0)
     fast = True
     for r in range(first, last):
@@ -328,8 +334,7 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
                 _round_row(bufs, prv, inv, out, y, fast)
             if r + 1 < last:
                 xr, mr = _logit_rows(x, mask, row_nxt, scratch)
-                top_next = _checked_top(_load_row(xr, mr, scale, round_scaled, False, bufs, nxt), xr, mr, scale,
-                                        round_scaled, bufs, nxt)
+                top_next = _load_checked_row(xr, mr, scale, round_scaled, bufs, nxt)
             total, tiny = _exp_row(bufs, cur, top, y)
         if r > first:
             _put_row(y, y_address, _row_of(b0, n0, s0, mask), out, out_address, stream)
