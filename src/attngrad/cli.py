@@ -9,20 +9,26 @@ import sys
 
 
 def run_examples(names: list[str] | None) -> int:
-    """Run every Python port of CANN's C++ examples (modules of ``attngrad.examples`` with ``main()``)."""
+    """Run the Python ports of CANN's C++ examples (modules of ``attngrad.examples`` with ``main()``): those
+    named, or all; a name that is not an example exits with status 2 and the list of examples."""
     import attngrad.examples as package
 
+    modules = {info.name: importlib.import_module(f"{package.__name__}.{info.name}")
+               for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name)}
+    examples = {name: module for name, module in modules.items() if hasattr(module, "main")}
+    unknown = [name for name in names or () if name not in examples]
+    if unknown:
+        print(f"attngrad examples: no example {', '.join(map(repr, unknown))}; the examples: {', '.join(examples)}",
+              file=sys.stderr)
+        return 2
     status = 0
-    for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
-        if names and info.name not in names:
+    for name, module in examples.items():
+        if names and name not in names:
             continue
-        module = importlib.import_module(f"{package.__name__}.{info.name}")
-        if not hasattr(module, "main"):
-            continue
-        print(f"=== {info.name} ===", flush=True)
+        print(f"=== {name} ===", flush=True)
         rc = module.main()
         if rc:
-            print(f"{info.name} returned {rc}", file=sys.stderr)
+            print(f"{name} returned {rc}", file=sys.stderr)
             status = 1
     return status
 
@@ -49,13 +55,11 @@ VERIFY_TITLE = "attngrad verify: precision against the float64 golden"
 VERIFY_COLUMNS = ("operator", "dtype", "case", "output", "norm-rel", "MERE", "MARE", "special", "verdict")
 
 
-def verify_rows(ops: list[str] | None, on_case=None) -> list[tuple[str, ...]]:
-    """One row of text cells (``VERIFY_COLUMNS``) per output of every verify case; ``on_case(case)`` is called
+def verify_rows(cases: list, on_case=None) -> list[tuple[str, ...]]:
+    """One row of text cells (``VERIFY_COLUMNS``) per output of each verify case; ``on_case(case)`` is called
     before each case runs."""
-    from .verification import all_cases
-
     rows = []
-    for case in all_cases(set(ops) if ops else None):
+    for case in cases:
         if on_case:
             on_case(case)
         dtype = str(case.dtype).replace("torch.", "")
@@ -66,14 +70,14 @@ def verify_rows(ops: list[str] | None, on_case=None) -> list[tuple[str, ...]]:
     return rows
 
 
-def _verify_with_rich(ops: list[str] | None) -> list[tuple[str, ...]]:
+def _verify_with_rich(cases: list) -> list[tuple[str, ...]]:
     """The rows of :func:`verify_rows`, with a progress line while they run, printed as a rich table."""
     from rich.console import Console
     from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 200)
     with console.status("verifying...") as status:
-        rows = verify_rows(ops, lambda case: status.update(f"verifying {case.op} {case.dtype} {case.label}"))
+        rows = verify_rows(cases, lambda case: status.update(f"verifying {case.op} {case.dtype} {case.label}"))
     table = Table(title=VERIFY_TITLE)
     for col in VERIFY_COLUMNS:
         table.add_column(col)
@@ -85,19 +89,26 @@ def _verify_with_rich(ops: list[str] | None) -> list[tuple[str, ...]]:
 
 
 def run_verify(ops: list[str] | None) -> int:
-    """Print the precision table of every operator and dtype against the float64 golden (a rich table when
-    rich is installed, plain text otherwise)."""
+    """Print the precision table of the operators ``ops`` selects (:func:`.verification.select_cases`; default
+    all) in every dtype against the float64 golden (a rich table when rich is installed, plain text otherwise).
+    An ``op`` that selects nothing exits with status 2 and the list of operators."""
     import torch
 
     from .precision import MERE_TOL, NORM_REL_TOL
+    from .verification import select_cases
 
+    try:
+        cases = select_cases(ops)
+    except ValueError as err:
+        print(f"attngrad verify: {err}", file=sys.stderr)
+        return 2
     try:
         import rich  # noqa: F401 - optional (the cli extra)
     except ImportError:
-        rows = verify_rows(ops)
+        rows = verify_rows(cases)
         print(plain_table(VERIFY_TITLE, VERIFY_COLUMNS, rows))
     else:
-        rows = _verify_with_rich(ops)
+        rows = _verify_with_rich(cases)
     failures = sum(row[-1] != "pass" for row in rows)
     limits = ", ".join(f"{str(d).replace('torch.', '')}: norm-rel <= {NORM_REL_TOL[d]:.1e}, MERE < {MERE_TOL[d]:.2e}"
                        for d in (torch.float32, torch.float16, torch.bfloat16))
@@ -112,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     ex = sub.add_parser("examples", help="run the Python ports of CANN's C++ examples")
     ex.add_argument("names", nargs="*", help="example module names (default: all)")
     ve = sub.add_parser("verify", help="precision sweep against the float64 golden")
-    ve.add_argument("--op", action="append", help="operator name (repeatable; default: all)")
+    ve.add_argument("--op", action="append", help="operator name substring, case-insensitive (repeatable; default: "
+                    "all; one that matches nothing lists the operators)")
     be = sub.add_parser("bench", help="benchmark against the PyTorch peers (needs the cli and plot extras)")
     from .bench import add_arguments
     from .golden_cli import add_parsers as add_golden_parsers, main as run_golden_command

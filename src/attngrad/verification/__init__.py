@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -24,9 +24,20 @@ class VerifyCase:
     run: Callable[[], list[tuple[str, PrecisionReport]]]  # (output name, report) per output
 
 
-def all_cases(ops: set[str] | None = None) -> Iterator[VerifyCase]:
+def all_cases() -> list[VerifyCase]:
+    """Every case of every operator module (building a case runs nothing)."""
+    cases = []
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        for case in module.cases():
-            if ops is None or case.op in ops:
-                yield case
+        cases.extend(importlib.import_module(f"{__name__}.{info.name}").cases())
+    return cases
+
+
+def select_cases(ops: list[str] | None) -> list[VerifyCase]:
+    """The cases whose operator name contains one of ``ops`` (case-insensitive, as ``attngrad bench --op``);
+    None: all. An entry of ``ops`` that no operator name contains raises ValueError listing the names."""
+    cases = all_cases()
+    names = sorted({case.op for case in cases})
+    unknown = [o for o in ops or () if not any(o.lower() in name.lower() for name in names)]
+    if unknown:
+        raise ValueError(f"no operator matches {', '.join(map(repr, unknown))}; the operators: {', '.join(names)}")
+    return [case for case in cases if not ops or any(o.lower() in case.op.lower() for o in ops)]
