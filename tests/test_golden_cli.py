@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import attngrad
 from attngrad.cli import main
 
 SHAPE = (1, 2, 40, 16)
@@ -98,3 +99,38 @@ def test_golden_case_errors(tmp_path, capsys):
     (tmp_path / "case.json").write_text(json.dumps({"head_num": 3, "input_layout": "BNSD", "dtype": "bfloat16"}))
     assert main(["golden", str(tmp_path / "case.npz")]) == 2
     assert "161002" in capsys.readouterr().err
+
+
+def test_golden_case_unknown_entry_is_an_error(tmp_path, capsys):
+    case = {name: torch.ones(SHAPE) for name in ("query", "key", "value")}
+    case.update(attn_mask=torch.zeros(SHAPE[2], SHAPE[2], dtype=torch.bool),
+                attributes={"head_num": 2, "input_layout": "BNSD"})
+    torch.save(case, tmp_path / "case.pt")
+    assert main(["golden", str(tmp_path / "case.pt")]) == 2
+    assert "unknown entry 'attn_mask'" in capsys.readouterr().err
+
+
+def test_golden_case_with_rope_parts_and_sink(tmp_path, capsys):
+    """query_rope / key_rope / sink reach the operator: the golden file holds the golden-mode outputs of the call
+    with them, their gradients included; --float64 refuses them."""
+    g = torch.Generator().manual_seed(1)
+    case = {name: torch.randn(SHAPE, generator=g) for name in ("query", "key", "value", "dy")}
+    case.update(query_rope=torch.randn(*SHAPE[:3], 8, generator=g),
+                key_rope=torch.randn(1, 1, SHAPE[2], 8, generator=g), sink=torch.tensor([0.5, 2.0]),
+                attributes={"head_num": 2, "input_layout": "BNSD", "scale_value": 0.25})
+    torch.save(case, tmp_path / "case.pt")
+    assert main(["golden", str(tmp_path / "case.pt"), "--out", str(tmp_path / "golden.pt")]) == 0
+    golden = torch.load(tmp_path / "golden.pt", weights_only=True)
+    extras = {name: case[name] for name in ("query_rope", "key_rope", "sink")}
+    inputs = [case[name] for name in ("query", "key", "value")]
+    with attngrad.precision_mode("golden"):
+        out, smax, ssum = attngrad.flash_attention_score(*inputs, 2, "BNSD", scale_value=0.25, **extras)
+        grads = attngrad.flash_attention_score_grad(*inputs, case["dy"], 2, "BNSD", scale_value=0.25,
+                                                    softmax_max=smax, softmax_sum=ssum, attention_in=out, **extras)
+    expected = dict(attention_out=out, softmax_max=smax, softmax_sum=ssum, dq=grads[0], dk=grads[1], dv=grads[2],
+                    dq_rope=grads[4], dk_rope=grads[5], dsink=grads[6])
+    assert sorted(golden) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(golden[name], tensor), name
+    assert main(["golden", str(tmp_path / "case.pt"), "--float64"]) == 2
+    assert "--float64 does not support query_rope, key_rope, sink" in capsys.readouterr().err

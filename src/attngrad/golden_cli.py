@@ -3,14 +3,15 @@ verdict on another implementation's outputs (docs/golden.md).
 
 A case file is ``.pt`` (a dict, read with ``torch.load(weights_only=True)``) or ``.npz`` (read with
 ``np.load(allow_pickle=False)``). Tensors: ``query``, ``key``, ``value``, optional ``dy`` (then the grad runs
-too), ``atten_mask``, ``pse``, ``drop_mask``, ``padding_mask``; attributes (``head_num``, ``input_layout`` and
-any keyword of :func:`attngrad.flash_attention_score`, e.g. ``scale_value``, ``sparse_mode``, ``prefix``) in an
-``attributes`` dict of the ``.pt`` or in a JSON file next to the case (``case.json``), which wins. An
-``.npz`` has no bfloat16: the attribute ``dtype`` casts the float inputs (``"bfloat16"``).
+too), ``atten_mask``, ``pse``, ``drop_mask``, ``padding_mask``, ``query_rope``, ``key_rope``, ``sink`` (any other
+entry is an error); attributes (``head_num``, ``input_layout`` and the scalar and list keywords of
+:func:`attngrad.flash_attention_score`, e.g. ``scale_value``, ``sparse_mode``, ``prefix``) in an ``attributes``
+dict of the ``.pt`` or in a JSON file next to the case (``case.json``), which wins. An ``.npz`` has no bfloat16:
+the attribute ``dtype`` casts the float inputs but the sink (``"bfloat16"``).
 
 Output files (``.pt``) map names to tensors: ``attention_out``, ``softmax_max``, ``softmax_sum`` and, with
-dy, ``dq``, ``dk``, ``dv`` (``dpse`` for a pseType 0/1 pse); ``--float64`` adds ``<name>_float64`` from the
-float64 reference.
+dy, ``dq``, ``dk``, ``dv`` (``dpse`` for a pseType 0/1 pse, ``dq_rope`` / ``dk_rope`` with the rope parts, ``dsink``
+with a sink); ``--float64`` adds ``<name>_float64`` from the float64 reference.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from .errors import AclnnError
 from .precision import ELEMENT_BAD_RATIO, MERE_TOL, element_bad
 
 INPUTS = ("query", "key", "value", "dy")
-OPTIONAL_TENSORS = ("atten_mask", "pse", "drop_mask", "padding_mask")
+OPTIONAL_TENSORS = ("atten_mask", "pse", "drop_mask", "padding_mask", "query_rope", "key_rope", "sink")
 FORWARD_OUTPUTS = ("attention_out", "softmax_max", "softmax_sum")
-GRAD_OUTPUTS = ("dq", "dk", "dv", "dpse")
+GRAD_OUTPUTS = ("dq", "dk", "dv", "dpse", "dq_rope", "dk_rope", "dsink")  # flash_attention_score_grad's order
 RULES = {"fa": FORWARD_OUTPUTS, "fag": GRAD_OUTPUTS, "mere": FORWARD_OUTPUTS + GRAD_OUTPUTS}
 WORST = 5
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -78,14 +79,17 @@ def load_case(path: Path) -> tuple[dict, dict]:
         raise CaseError(f"{path}: missing {', '.join(missing)} (tensors query, key, value; attributes head_num, "
                         f"input_layout in 'attributes' or {side.name})")
     for name, value in data.items():
+        if name not in INPUTS + OPTIONAL_TENSORS:
+            raise CaseError(f"{path}: unknown entry {name!r} (tensors: {', '.join(INPUTS + OPTIONAL_TENSORS)}; "
+                            f"attributes go in 'attributes' or {side.name})")
         if not isinstance(value, torch.Tensor):
             raise CaseError(f"{path}: entry {name!r} must be a tensor, got {type(value).__name__}")
     dtype = attributes.pop("dtype", None)
     if dtype is not None:
         if dtype not in DTYPES:
             raise CaseError(f"{path}: attribute dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        data = {n: t.to(DTYPES[dtype]) if t.is_floating_point() and n in INPUTS + ("pse",) else t
-                for n, t in data.items()}
+        cast = INPUTS + ("pse", "query_rope", "key_rope")  # the sink stays float32
+        data = {n: t.to(DTYPES[dtype]) if t.is_floating_point() and n in cast else t for n, t in data.items()}
     return data, attributes
 
 
@@ -131,6 +135,9 @@ def float64_outputs(inputs: list, dy, head_num: int, layout: str, kw: dict) -> d
 
     if layout == "TND":
         raise CaseError("--float64 supports the BSH, SBH, BSND and BNSD layouts (not TND)")
+    extras = [name for name in ("query_rope", "key_rope", "sink") if kw.get(name) is not None]
+    if extras:
+        raise CaseError(f"--float64 does not support {', '.join(extras)} (the golden outputs do)")
     p = check_forward(*inputs, *split_kwargs(head_num, layout, **kw))
     out, smax, ssum = flash_attention_forward_reference(p.q, p.k, p.v, p.plan)
     results = {"attention_out": from_bnsd(out, layout)}
