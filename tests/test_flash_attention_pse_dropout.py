@@ -175,6 +175,25 @@ def test_npu_training_step_regenerates_the_drop_mask():
     assert not torch.equal(out, other)
 
 
+def test_npu_names_take_an_explicit_dropout_mask():
+    """An explicit ``dropout_mask`` (say, dumped from an NPU run) reaches the forwards and both grads; the grads
+    use it, not the mask (seed, offset) would regenerate."""
+    q, k, v, dy = attention_inputs("BNSD", B, N1, N2, 40, 48, D, D, torch.float32)
+    mask = generate_drop_mask(5, 0, B * N1 * 40 * 48, 0.7)
+    out, smax, ssum, _, seed, offset, numels = npu.npu_fusion_attention(q, k, v, N1, "BNSD", scale=SCALE,
+                                                                        keep_prob=0.7, dropout_mask=mask)
+    kw = dict(scale_value=SCALE, keep_prob=0.7)
+    assert torch.equal(out, attngrad.flash_attention_score(q, k, v, N1, "BNSD", drop_mask=mask, **kw)[0])
+    saved = dict(softmax_max=smax, softmax_sum=ssum, attention_in=out, **kw)
+    want = attngrad.flash_attention_score_grad(q, k, v, dy, N1, "BNSD", drop_mask=mask, **saved)
+    for grad in (npu.npu_fusion_attention_grad, npu.npu_fusion_attention_grad_v2):
+        got = grad(q, k, v, dy, N1, "BNSD", seed=seed, offset=offset, numels=numels, dropout_mask=mask, **saved)
+        assert all(torch.equal(a, b) for a, b in zip(got[:3], want[:3])), grad.__name__
+    regenerated = npu.npu_fusion_attention_grad(q, k, v, dy, N1, "BNSD", seed=seed, offset=offset, numels=numels,
+                                                **saved)
+    assert not torch.equal(regenerated[0], want[0])
+
+
 def test_generator_is_reproducible_and_calibrated():
     a = generate_drop_mask(3, 5, 100_003, 0.9)
     assert a.dtype == torch.uint8 and a.numel() == 12501 and torch.equal(a, generate_drop_mask(3, 5, 100_003, 0.9))

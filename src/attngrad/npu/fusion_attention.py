@@ -6,10 +6,12 @@ empty ``softmax_out`` (reserved) and ``numels = B * N1 * Sq * Skv``; the grads r
 dsink)`` (v1) and ``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)`` (v2), absent ones as empty tensors.
 ``gen_mask_parallel`` and ``sync`` only steer the NPU's mask generation and are accepted without effect.
 
-Dropout (keep_prob < 1) without an explicit ``dropout_mask``: the forward draws the keep mask from
-``(seed, offset)`` with attngrad's documented counter-based generator
-(:func:`attngrad.kernels.dropout.generate_drop_mask`) and returns ``(seed, offset, numels)``; the grads
-regenerate the very same mask from them, as torch_npu does. ``sink`` (float32 ``[N1]``) and ``query_rope`` /
+Dropout (keep_prob < 1): the forward draws the keep mask from ``(seed, offset)`` with attngrad's documented
+counter-based generator (:func:`attngrad.kernels.dropout.generate_drop_mask`) and returns ``(seed, offset,
+numels)``; the grads regenerate the very same mask from them, as torch_npu does. attngrad extensions (torch_npu's
+NPU draws the mask itself): the forwards take ``seed`` and ``offset``, and every name takes an explicit bit-packed
+keep mask ``dropout_mask`` (e.g. one dumped from an NPU run), which the grad then needs too: the returned
+``(seed, offset)`` do not describe it. ``sink`` (float32 ``[N1]``) and ``query_rope`` /
 ``key_rope`` (MLA's rope parts) run on every layout and dtype (see :mod:`attngrad.ops.flash_attention_sink_rope`);
 the forwards are differentiable w.r.t. them.
 """
@@ -95,7 +97,7 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
                               attention_in=None, scale_value=1., keep_prob=1., pre_tockens=UNBOUNDED_TOKENS,
                               next_tockens=UNBOUNDED_TOKENS, inner_precise=0, seed=0, offset=0, numels=0, prefix=None,
                               actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0, gen_mask_parallel=True,
-                              sync=False, softmax_layout="", sink=None):
+                              sync=False, softmax_layout="", sink=None, dropout_mask=None):
     """torch_npu ``npu_fusion_attention_grad`` -> ``(dq, dk, dv, dpse, dsink)``:
     :func:`npu_fusion_attention_grad_v2` with pse_type 1."""
     dq, dk, dv, dpse, _, _, dsink = npu_fusion_attention_grad_v2(
@@ -104,7 +106,7 @@ def npu_fusion_attention_grad(query, key, value, dy, head_num, input_layout, *, 
         scale_value=scale_value, keep_prob=keep_prob, pre_tokens=pre_tockens, next_tokens=next_tockens,
         inner_precise=inner_precise, seed=seed, offset=offset, numels=numels, prefix=prefix,
         actual_seq_qlen=actual_seq_qlen, actual_seq_kvlen=actual_seq_kvlen, sparse_mode=sparse_mode,
-        softmax_layout=softmax_layout, sink=sink)
+        softmax_layout=softmax_layout, sink=sink, dropout_mask=dropout_mask)
     return dq, dk, dv, dpse, dsink
 
 
@@ -114,11 +116,11 @@ def npu_fusion_attention_grad_v2(query, key, value, dy, head_num, input_layout, 
                                  pre_tokens=UNBOUNDED_TOKENS, next_tokens=UNBOUNDED_TOKENS, inner_precise=0, seed=0,
                                  offset=0, numels=0, prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
                                  sparse_mode=0, gen_mask_parallel=True, sync=False, pse_type=1, q_start_idx=None,
-                                 kv_start_idx=None, softmax_layout="", sink=None):
+                                 kv_start_idx=None, softmax_layout="", sink=None, dropout_mask=None):
     """torch_npu ``npu_fusion_attention_grad_v2`` -> ``(dq, dk, dv, dpse, dq_rope, dk_rope, dsink)``; the drop
-    mask is regenerated from (seed, offset, numels) (numels 0: from the shapes)."""
+    mask is ``dropout_mask`` or regenerated from (seed, offset, numels) (numels 0: from the shapes)."""
     numels = numels or _numels(query, key, head_num, input_layout, actual_seq_qlen, actual_seq_kvlen)
-    drop_mask = _drop_mask(keep_prob, None, seed, offset, numels)
+    drop_mask = _drop_mask(keep_prob, dropout_mask, seed, offset, numels)
     dq, dk, dv, dpse, *extras = score_grad(query, key, value, dy, *split_kwargs(
         head_num, input_layout, pse=pse, drop_mask=drop_mask, padding_mask=padding_mask, atten_mask=atten_mask,
         softmax_max=softmax_max, softmax_sum=softmax_sum, softmax_in=softmax_in, attention_in=attention_in,
