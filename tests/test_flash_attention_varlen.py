@@ -258,6 +258,18 @@ def test_sparse_modes_per_batch(mode, tnd_kw, batch_kw):
                              lambda b, sq, skv: dict(sparse_mode=mode) | batch_kw(b, sq, skv))
 
 
+@pytest.mark.parametrize("pre,nxt", [(2, 0), (TOKENS, 0), (0, 1)])
+def test_band_on_batches_without_rows_or_keys(pre, nxt):
+    """Sparse mode 4 tokens that select no key of an Sq_b x 0 or a 0 x Skv_b batch are legal: an empty batch
+    has nothing to select (its rows are 0), as in BNSD, where Sq or Skv 0 also takes any tokens."""
+    q_lens, kv_lens = [9, 3, 0, 5], [7, 0, 6, 5]
+    q, k, v, dy = varlen_inputs(q_lens, kv_lens, 2, 2, 16, 16, torch.float32, seed=3)
+    kw = dict(sparse_mode=4, atten_mask=CAUSAL, pre_tokens=pre, next_tokens=nxt)
+    out, _ = check_batches_equal_bnsd(q, k, v, dy, 2, q_lens, kv_lens, kw, lambda b, sq, skv: kw | {
+        "atten_mask": CAUSAL4})
+    assert torch.equal(out[9:12], torch.zeros_like(out[9:12]))
+
+
 @pytest.mark.parametrize("mode", [7, 8])
 def test_split_modes_follow_the_plan_rule(mode):
     """The per-batch plans of modes 7/8 carry the bands of the plan module's rule ``varlen_sparse_bands``."""

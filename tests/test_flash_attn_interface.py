@@ -137,6 +137,22 @@ def test_flash_attn_varlen_func_matches_reference(lengths, kwargs, dtype):
         lambda q, k, v: varlen_reference(q, k, v, cu_q, cu_k, **dict(kwargs)), inputs, dtype)
 
 
+@pytest.mark.parametrize("kwargs", [{"alibi_slopes": (HEADS,)}, {"causal": True, "window_size": (2, 0)},
+                                    {"window_size": (0, 1)}], ids=["alibi", "causal-window", "window"])
+def test_varlen_sequences_without_queries_or_keys(kwargs):
+    """A sequence with queries but no keys (output 0, lse +inf) or keys but no queries, beside ordinary ones:
+    any window and alibi are legal there (they select among no scores)."""
+    kwargs = {name: torch.rand(value) if name == "alibi_slopes" else value for name, value in kwargs.items()}
+    lengths = ((5, 2, 0, 4), (3, 0, 4, 4))
+    cu_q, cu_k = ([0, *torch.tensor(lens).cumsum(0).tolist()] for lens in lengths)
+    inputs = leaves(torch.float32, (cu_q[-1], HEADS, DIM), (cu_k[-1], KV_HEADS, DIM), (cu_k[-1], KV_HEADS, DIM))
+    cu = [torch.tensor(c, dtype=torch.int32) for c in (cu_q, cu_k)]
+    out, _ = check_against_reference(
+        lambda q, k, v: flash_attn_varlen_func(q, k, v, *cu, 5, 4, return_attn_probs=True, **kwargs),
+        lambda q, k, v: varlen_reference(q, k, v, cu_q, cu_k, **dict(kwargs)), inputs, torch.float32)
+    assert torch.equal(out[5:7], torch.zeros_like(out[5:7]))
+
+
 def test_rows_without_keys_have_zero_output_zero_gradients_and_infinite_lse():
     q, k, v = leaves(torch.float32, (1, 10, HEADS, DIM), (1, 4, KV_HEADS, DIM), (1, 4, KV_HEADS, DIM))
     out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)

@@ -116,7 +116,10 @@ def _result(out, softmax_max, softmax_sum, return_attn_probs):
 # ------------------------------------------------------------------------------------------- batched
 def _attention_bsnd(att: _Attention, q, k, v, offset=0):
     """q ``[B, Sq, H, D]``, k/v ``[B, Skv, Hk, D|Dv]`` -> ``(out [B, Sq, H, Dv], max [B, H, Sq], sum [B, H, Sq])``."""
-    if att.slopes is None or q.shape[1] == k.shape[1] or k.shape[1] == 0:
+    if att.slopes is not None and 0 in (q.shape[1], k.shape[1]):  # no scores: the alibi changes nothing
+        att = copy.copy(att)
+        att.slopes = None
+    if att.slopes is None or q.shape[1] == k.shape[1]:
         return att.run(q, k, v, "BSND", offset=offset)
     return _alibi_square_blocks(att, q, k, v, offset)
 

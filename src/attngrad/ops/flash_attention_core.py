@@ -244,7 +244,10 @@ def _check_atten_mask(op: str, mask: torch.Tensor, geo: Geometry, sparse_mode: i
 def _check_tokens(op: str, geo: Geometry, sparse_mode: int, pre_tokens: int, next_tokens: int) -> None:
     """Modes 0/4: in left-up origin (mode 4: ``pre' = pre + Sq - Skv``, ``next' = next +
     Skv - Sq``) the band must select at least one key: ``-pre' < Skv``, ``-next' < Sq`` and
-    ``pre' + next' >= 0`` (CANN's tiling test, exact at the equality where the band becomes empty)."""
+    ``pre' + next' >= 0`` (CANN's tiling test, exact at the equality where the band becomes empty). A problem
+    without rows or keys (Sq or Skv 0, e.g. an empty TND batch) has nothing to select: any tokens pass."""
+    if geo.sq == 0 or geo.skv == 0:
+        return
     shift = geo.sq - geo.skv if sparse_mode == 4 else 0
     pre, nxt = pre_tokens + shift, next_tokens - shift
     origin = "right-down (sparseMode 4)" if sparse_mode == 4 else "left-up"
