@@ -43,6 +43,9 @@ CASES = {
                                                 dict(alibi=3, keep_prob=0.9, seed=3)),
     "causal zigzag BSND bf16": ("BSND", torch.bfloat16, True, True, {}),
     "non-causal zigzag BNSD bf16 alibi": ("BNSD", torch.bfloat16, False, True, dict(alibi=2)),
+    "causal zigzag BSND fp32 golden": ("BSND", torch.float32, True, True, dict(precision="golden")),
+    "causal zigzag BSH bf16 golden dropout": ("BSH", torch.bfloat16, True, True,
+                                              dict(precision="golden", keep_prob=0.8, seed=2)),
 }
 
 
@@ -123,15 +126,17 @@ def _mismatch(got, want, dtype) -> float:
 
 
 def _reference(name, s):
-    """The unsharded call of a case on S = s: inputs, (out, softmax_max, softmax_sum), (dq, dk, dv)."""
+    """The unsharded call of a case on S = s (in the case's precision mode): inputs, (out, softmax_max,
+    softmax_sum), (dq, dk, dv)."""
     layout, dtype, causal, _, extra = CASES[name]
     q, k, v, dy = _full_inputs(layout, dtype, s)
     ref_kw = _attrs(extra, s)[1]
     if causal:
         ref_kw.update(atten_mask=torch.ones(2048, 2048, dtype=torch.bool).triu(1), sparse_mode=3)
     full = [t.clone().requires_grad_() for t in (q, k, v)]
-    results = attngrad.flash_attention_score(*full, N1, layout, scale_value=SCALE, **ref_kw)
-    results[0].backward(dy)
+    with attngrad.precision_mode(extra.get("precision", "npu")):
+        results = attngrad.flash_attention_score(*full, N1, layout, scale_value=SCALE, **ref_kw)
+        results[0].backward(dy)
     return (q, k, v, dy), results, [t.grad for t in full]
 
 
@@ -154,9 +159,10 @@ def _check_case(name, rank, world, s_per_rank=8):
         return zigzag_shard(t.detach(), dim, zigzag=zigzag)
 
     local = [shard(t).requires_grad_() for t in (q, k, v)]
-    r_out, r_max, r_sum = ring_flash_attention(*local, N1, layout, causal=causal, scale_value=SCALE,
-                                               zigzag=zigzag, return_stats=True, **ring_kw)
-    r_out.backward(shard(dy))
+    with attngrad.precision_mode(extra.get("precision", "npu")):
+        r_out, r_max, r_sum = ring_flash_attention(*local, N1, layout, causal=causal, scale_value=SCALE,
+                                                   zigzag=zigzag, return_stats=True, **ring_kw)
+        r_out.backward(shard(dy))
     limit = 1e-5 if dtype == torch.float32 else 1.5e-2
     pairs = {"out": (r_out, shard(out)), "softmax_max": (r_max, shard(smax, 2)),
              "softmax_sum": (r_sum, shard(ssum, 2)), "dq": (local[0].grad, shard(grads[0])),

@@ -114,6 +114,24 @@ def test_kernel_flags_widened_gemm_with_rounded_probs_matches_npu(dtype=torch.bf
     assert not torch.equal(fa_kernels.flash_attention_forward(q, k, v, golden)[0], out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_golden_grad_reads_a_float32_attention_in_and_recomputes_a_rounded_one(dtype):
+    """Golden mode takes D = rowsum(dy * out) from the given attention_in when it is float32 (context
+    parallelism passes the merged output of all key blocks) and from the output recomputed in float32 when the
+    given one is rounded to bf16 / fp16."""
+    q, k, v, dy = attention_inputs("BNSD", 1, 2, 1, 64, 80, 32, 32, dtype, seed=5)
+    with precision_mode("golden"):
+        out, smax, ssum = attngrad.flash_attention_score(q, k, v, 2, "BNSD", scale_value=SCALE)
+        kw = dict(scale_value=SCALE, softmax_max=smax, softmax_sum=ssum)
+        given = attngrad.flash_attention_score_grad(q, k, v, dy, 2, "BNSD", attention_in=out, **kw)[0]
+        other = attngrad.flash_attention_score_grad(q, k, v, dy, 2, "BNSD", attention_in=out * 0.5, **kw)[0]
+    assert torch.equal(given, other) == (dtype != torch.float32)
+    if dtype == torch.float32:  # D from out / 2: the float64 backward with that out
+        ref = flash_attention_backward_reference(*(t.double() for t in (q, k, v, dy, out * 0.5)), smax[..., 0],
+                                                 ssum[..., 0], AttentionPlan(scale=SCALE))[0]
+        assert_golden(other, ref, dtype)
+
+
 def test_npu_default_is_unchanged():
     """Without a mode the kernels round P (bf16 results differ from golden) and the mode is 'npu'."""
     assert current_precision() == "npu"

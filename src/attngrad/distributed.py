@@ -4,7 +4,9 @@ The sequence axis of query, key and value is sharded over the ranks of a process
 its query shard; the K/V shards travel around the ring (rank r sends to r + 1, receives from r - 1) while
 the block at hand is computed, and the partial results are merged with the online-softmax rule in float32,
 so the output and the statistics equal the unsharded call's. The backward runs a second ring with the
-global statistics and output; dQ stays local, dK/dV travel with their block back to its owner.
+global statistics and output; dQ stays local, dK/dV travel with their block back to its owner. In the golden
+precision mode the blocks run on float32 copies of the inputs, so the merged output, which the backward's
+``D = rowsum(dy * out)`` reads, is rounded only once, at the end.
 
 Shards (:func:`zigzag_shard`): with ``zigzag`` the sequence is cut into ``2 * cp`` equal chunks and rank r
 holds chunks r and ``2*cp - 1 - r`` (every rank gets the same causal work); otherwise rank r holds chunk r
@@ -25,6 +27,7 @@ import torch.distributed as dist
 
 from . import flash_attention_score, flash_attention_score_grad
 from .kernels.dropout import generate_drop_mask
+from .precision_mode import GOLDEN, current_precision, precision_mode
 from .validation import (check_choice, check_float, check_int, check_int_list, check_range, check_rank, invalid,
                          require_tensor)
 
@@ -197,6 +200,7 @@ class Config:
     local_len: int
     seq_len: int
     batch_heads: int   # B * N1
+    precision: str     # the precision mode of the call, kept for its backward
 
     @property
     def seq_dim(self) -> int:
@@ -251,7 +255,7 @@ def make_config(ring: Ring, qkv: tuple, head_num, input_layout, causal, scale_va
                   inner_precise=kwargs.get("inner_precise", 0), pse=kwargs.get("pse"),
                   pse_type=kwargs.get("pse_type", 1), q_start=_start("q_start_idx", kwargs.get("q_start_idx")),
                   kv_start=_start("kv_start_idx", kwargs.get("kv_start_idx")), local_len=local,
-                  seq_len=local * ring.size, batch_heads=batch * head_num)
+                  seq_len=local * ring.size, batch_heads=batch * head_num, precision=current_precision())
 
 
 # -------------------------------------------------------------------------------------------- blocks
@@ -391,9 +395,16 @@ def _rows(t: torch.Tensor, cfg: Config, span: tuple[int, int]) -> torch.Tensor:
     return t.narrow(cfg.seq_dim, span[0], span[1] - span[0])
 
 
+def _operands(cfg: Config, *tensors) -> tuple:
+    """The tensors the blocks compute on: float32 copies in the golden mode (module docstring), else as given."""
+    return tuple(t.float() for t in tensors) if cfg.precision == GOLDEN else tensors
+
+
 def ring_forward(cfg: Config, ring: Ring, query, key, value):
     """The forward ring: cp steps; step t computes against the K/V of rank ``rank - t`` while the hop to
-    step t + 1 is in flight. Returns ``(out, softmax_max, softmax_sum)`` of this rank's rows."""
+    step t + 1 is in flight. Returns ``(out, softmax_max, softmax_sum)`` of this rank's rows, out in the dtype
+    of the blocks' operands (:func:`_operands`)."""
+    query, key, value = _operands(cfg, query, key, value)
     acc = OnlineSoftmax(cfg)
     kv = (key, value)
     for step in range(ring.size):
@@ -419,9 +430,12 @@ def _block_grads(cfg: Config, block: Block, query, kv, dy, out, softmax_max, sof
 
 
 def ring_backward(cfg: Config, ring: Ring, query, key, value, out, softmax_max, softmax_sum, dy):
-    """The backward ring: each block's grad uses the global statistics and output; dQ accumulates here in
-    float32, the float32 dK/dV accumulator of each K/V shard travels with it and after cp hops is home.
-    The accumulator of the held shard arrives while the step's first block is computed."""
+    """The backward ring: each block's grad uses the global statistics and output (as :func:`ring_forward`
+    returned it); dQ accumulates here in float32, the float32 dK/dV accumulator of each K/V shard travels with it
+    and after cp hops is home. The accumulator of the held shard arrives while the step's first block is
+    computed."""
+    dtypes = query.dtype, key.dtype, value.dtype
+    query, key, value, dy = _operands(cfg, query, key, value, dy)
     dq = torch.zeros(query.shape, dtype=torch.float32)
     kv = (key, value)
     dkv = [torch.zeros(t.shape, dtype=torch.float32) for t in kv]
@@ -443,7 +457,7 @@ def ring_backward(cfg: Config, ring: Ring, query, key, value, out, softmax_max, 
             kv = kv_hop.wait()
     if dkv_hop is not None:
         dkv = dkv_hop.wait()
-    return dq.to(query.dtype), dkv[0].to(key.dtype), dkv[1].to(value.dtype)
+    return dq.to(dtypes[0]), dkv[0].to(dtypes[1]), dkv[1].to(dtypes[2])
 
 
 class _RingAttention(torch.autograd.Function):
@@ -455,13 +469,15 @@ class _RingAttention(torch.autograd.Function):
         ctx.save_for_backward(query, key, value, out, m, s)
         ctx.cfg, ctx.ring = cfg, ring
         ctx.mark_non_differentiable(m, s)
-        return out, m, s
+        return out.to(query.dtype), m, s
 
     @staticmethod
     def backward(ctx, d_out, _d_max, _d_sum):
         query, key, value, out, m, s = ctx.saved_tensors
         dy = d_out.to(query.dtype).contiguous()
-        return (*ring_backward(ctx.cfg, ctx.ring, query, key, value, out, m, s, dy), None, None)
+        with precision_mode(ctx.cfg.precision):
+            grads = ring_backward(ctx.cfg, ctx.ring, query, key, value, out, m, s, dy)
+        return (*grads, None, None)
 
 
 # ------------------------------------------------------------------------------------------- the API
@@ -487,13 +503,14 @@ def ring_flash_attention(query, key, value, head_num, input_layout, *, group=Non
     check_same_on_all_ranks(ring, dict(query=query, key=key, value=value, head_num=head_num,
                                        input_layout=input_layout, causal=causal, scale_value=scale_value,
                                        keep_prob=keep_prob, seed=seed, offset=offset, zigzag=zigzag,
-                                       **cann_kwargs))
+                                       precision=current_precision(), **cann_kwargs))
     cfg = make_config(ring, (query, key, value), head_num, input_layout, causal, scale_value, keep_prob, seed,
                       offset, zigzag, cann_kwargs)
     if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
         out, m, s = _RingAttention.apply(query, key, value, cfg, ring)
     else:
         out, m, s = ring_forward(cfg, ring, query, key, value)
+        out = out.to(query.dtype)
     return (out, m, s) if return_stats else out
 
 

@@ -35,8 +35,9 @@ float32. Query head n reads kv head ``n // G`` with ``G = N1 // N2``. The math (
 Precision flags of the plan (docs/golden.md): ``widen_gemm`` widens q, k, v, dy to float32 once per call, so
 every GEMM and scratch tile is float32 while the outputs keep the input dtype (one rounding each);
 ``round_probs`` rounds P and dS to the input dtype before their GEMMs (:func:`_operand`; implied without
-``widen_gemm``). Golden mode (``widen_gemm`` without ``round_probs``) takes Dr from the float32 output of a
-forward pass on the widened inputs, ``Dr = rowsum(dy * out) = rowsum(P * dP)``, instead of the given out.
+``widen_gemm``). Golden mode (``widen_gemm`` without ``round_probs``) on bf16 / fp16 inputs takes Dr from the
+float32 output of a forward pass on the widened inputs, ``Dr = rowsum(dy * out) = rowsum(P * dP)``, instead of the
+given out, which is rounded; a float32 out is used as given (context parallelism passes the merged one).
 
 Tiles and work split (both cores busy even for one head, results identical for any thread count):
 
@@ -1562,7 +1563,8 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     float32 ``[N1]`` with ``plan.sink`` (:func:`_sink_gradient`), else None.
 
     softmax_max / softmax_sum ``[B, N1, Sq]`` fp32 and out (attentionIn) are used as given (any strides); out is
-    not read in the golden order (``plan.widen_gemm`` without ``plan.round_probs``), which recomputes it in float32.
+    not read in the golden order (``plan.widen_gemm`` without ``plan.round_probs``) on bf16 / fp16 inputs, which
+    recomputes it in float32.
     dq / dk / dv: optional preallocated outputs (any strides, e.g. views into TND tensors), written in place;
     the inputs are then read in place too, as in :func:`flash_attention_forward`.
 
@@ -1579,7 +1581,7 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     dtype = q.dtype
     q, k, v, dy = _widened(plan, q, k, v, dy)
     rope_operands = rope and _widened(plan, *rope)
-    if plan.widen_gemm and not plan.round_probs:  # D = rowsum(P dP) = rowsum(dy * out) of the unrounded output
+    if plan.widen_gemm and not plan.round_probs and dtype != torch.float32:  # D from the unrounded output
         out = flash_attention_forward(q, k, v, plan, rope=rope_operands, sequences=sequences if several else None)[0]
     packed = _use_brgemm(q, D, v.shape[3], rope_operands[0].shape[3] if rope_operands else 0)
     # on the brgemm V^T and bfloat16's K are packed per key block (_pack_key_block) straight from TND rows; the
