@@ -26,7 +26,8 @@ OPS = ("ExpSegsum", "ExpSegsumBackward")
 
 
 def torch_exp_segsum(x: torch.Tensor) -> torch.Tensor:
-    """Spec D.2 / E (vectorised reference) in fp32, cast to x's dtype."""
+    """ExpSegsum as a vectorised torch composition in fp32 (lower-triangular cumulative sums, exp), cast to
+    x's dtype."""
     t = x.shape[-1]
     xf = x.float()
     wide = xf.unsqueeze(-1).expand(*xf.shape, t)
@@ -36,7 +37,8 @@ def torch_exp_segsum(x: torch.Tensor) -> torch.Tensor:
 
 
 def torch_exp_segsum_backward(grad_output: torch.Tensor, grad_self: torch.Tensor) -> torch.Tensor:
-    """The seed's nine steps in fp32 (where-masking), cast to grad_output's dtype."""
+    """CANN's nine documented steps of ExpSegsumBackward in fp32 (where-masking), cast to grad_output's
+    dtype."""
     t = grad_output.shape[-1]
     upper = torch.ones(t, t, dtype=torch.bool).triu(0)
     zero = torch.zeros(())
@@ -60,7 +62,7 @@ def cases(quick: bool) -> list[BenchCase]:
             "ExpSegsum", dtype, f"x{list(shape)}",
             {"attngrad (out preallocated)": lambda x=x, y=y: forward_kernel(x, y),
              "attngrad op (allocates)": lambda x=x: exp_segsum(x),
-             "torch composition (D.2, fp32)": lambda x=x: torch_exp_segsum(x)},
+             "torch composition (fp32)": lambda x=x: torch_exp_segsum(x)},
             bytes_moved=problems * (t + t * t) * es,
             notes="bytes: read x + write the (..., T, T) output; ratios against attngrad (out preallocated)"))
         out.append(BenchCase(

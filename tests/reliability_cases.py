@@ -478,7 +478,7 @@ UNBOUNDED = 2147483647
 
 
 def _golden_rule(a: dict, sq: int, skv: int) -> tuple:
-    """Spec 3.1-3.2, written out: ``(pre, next, prefix, mask applied element-wise)`` in left-up origin for
+    """The sparse modes' index rules (docs/cann-semantics.md), written out: ``(pre, next, prefix, mask applied element-wise)`` in left-up origin for
     sparseMode / tokens / prefix; without attenMask everything is visible."""
     if a["atten_mask"] is None:
         return UNBOUNDED, UNBOUNDED, None, False

@@ -41,7 +41,7 @@ def backward_status(go, gs, gi, **kw):
     return aclnn_status(aclnn.aclnnExpSegsumBackwardGetWorkspaceSize, aclnn.aclnnExpSegsumBackward, go, gs, gi, **kw)
 
 
-# (self, out, status, parameter named) in CANN's check order (D.3)
+# (self, out, status, parameter named) in CANN's check order
 FORWARD_BAD = [
     ("self null", None, t(1, 2, 3, 3), NULL, "self"),
     ("out null", t(1, 2, 3), None, NULL, "out"),

@@ -251,7 +251,7 @@ def test_reference_matches_torch_autograd():
 
 
 def test_reference_masking_band_and_invalid_rows():
-    """Reference semantics the later issues rely on: -FLT_MAX fill, left-up band, invalid rows, dropout bits."""
+    """Reference semantics the other tests rely on: -FLT_MAX fill, left-up band, invalid rows, dropout bits."""
     q = torch.randn(1, 1, 4, 4, dtype=torch.float64)
     k = torch.randn(1, 1, 4, 4, dtype=torch.float64)
     v = torch.randn(1, 1, 4, 4, dtype=torch.float64)

@@ -160,7 +160,7 @@ def test_fully_masked_rows(inner_precise):
     (6, 530, 300, 0, 0, [0, 100]),              # prefix 0 with Sq > Skv
 ])
 def test_invalid_rows_auto_enabled(mode, sq, skv, pre, nxt, prefix):
-    """Spec 6: when the rule itself leaves rows without keys, the invalid-row mode is on by itself."""
+    """When the rule itself leaves rows without keys, the invalid-row mode is on by itself."""
     mask = compressed(mode) if mode in (3, 4, 6) else torch.zeros(sq, skv, dtype=torch.bool)
     out, smax, ssum = run_and_check("BNSD", torch.float32, sq, skv, mode=mode, mask=mask, pre=pre, nxt=nxt,
                                     prefix=prefix)

@@ -13,7 +13,8 @@ import torch
 
 
 def _upper_with_diagonal(t: int) -> torch.Tensor:
-    """Seed matrices A and B: True on and above the diagonal, False strictly below."""
+    """CANN's masks A and B of the ExpSegsumBackward steps: True on and above the diagonal, False strictly
+    below."""
     return torch.ones(t, t, dtype=torch.bool).triu(0)
 
 
