@@ -181,7 +181,7 @@ def _metrics(cfg: TrainConfig, sides: list[Side], results: list[dict], wall: flo
 
 def train(cfg: TrainConfig) -> dict:
     """Run the configured training; writes checkpoints, metrics.json and loss.png under cfg.out and returns
-    the metrics (module docstring; docs/training.md, 'metrics.json')."""
+    the metrics (module docstring; docs/training.md, 'metrics.json and loss.png')."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
         import numba
