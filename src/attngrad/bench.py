@@ -9,14 +9,16 @@ time to attngrad's, plus GB/s or TFLOP/s against the matching roofline. Results 
 (a rich table: the ``cli`` extra), a JSON file and PNG plots (matplotlib: the ``plot`` extra). The method
 is described in docs/performance.md.
 
-Two more sections, each measured in fresh child processes so that runs do not contaminate each other:
+Three more sections, each measured in fresh child processes so that runs do not contaminate each other:
 
 * ``first_call`` (``--first-call``; on by default except with ``--quick``): the latency of the first call
   of every operator in a new process with an empty numba cache (``NUMBA_CACHE_DIR`` = a new temporary
   folder: compilation included), then again in a second process with the same folder (kernels loaded
   from the cache);
 * ``scaling`` (``--scaling``): time and peak memory of flash attention forward + grad against the
-  O(S^2)-memory math path as the sequence length grows (:mod:`attngrad.benchmarks.bench_scaling`).
+  O(S^2)-memory math path as the sequence length grows (:mod:`attngrad.benchmarks.bench_scaling`);
+* ``ring`` (``--op ring``): context parallelism's per-rank memory and wall time against one process
+  (:mod:`attngrad.benchmarks.bench_ring`).
 
 The process's malloc settings are left alone. Memory-bound cases rate a call writing into a preallocated
 output against the copy roofline (which does the same) and time the allocating calls alongside.
@@ -141,7 +143,8 @@ def machine_info(recalibrate: bool = False) -> dict:
     return {"cpu": cpu_model(), "isa": list(isa_flags()), "processor": platform.processor(),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "kernel_threads": kernel_threads(),
             "cpus": os.cpu_count(),
-            "gemm_paths": {str(d).removeprefix("torch."): gemm_paths.gemm_path(d) for d in gemm_paths.CALIBRATED_DTYPES},
+            "gemm_paths": {str(d).removeprefix("torch."): gemm_paths.gemm_path(d)
+                           for d in gemm_paths.CALIBRATED_DTYPES},
             "gemm_path_forced": gemm_paths.forced_path() is not None,
             "gemm_calibration": {k: entry[k] for k in ("measured", "paths", "microseconds")}}
 
@@ -198,13 +201,15 @@ def collect_cases(args) -> list[BenchCase]:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--op", action="append", help="operator name substring (repeatable)")
+    parser.add_argument("--op", action="append", help="operator name substring (repeatable); 'ring': the context "
+                        "parallelism section")
     parser.add_argument("--dtype", action="append", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats (< 2 minutes)")
     parser.add_argument("--repeat", type=int, default=None, help="timed calls per implementation")
     parser.add_argument("--size", action="append",
                         help="case label substring, e.g. 'S2048' or '[4, 16, 512, 1024]' (repeatable)")
-    parser.add_argument("--out", default="bench-results", help="folder for the JSON file and plots")
+    parser.add_argument("--out", default="bench-results", help="folder for the JSON file and plots (default "
+                        "./bench-results)")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure again which GEMM path (native or widened fp32) the bf16 / fp16 kernels take "
                              "on this machine (cached per machine), and show the timings")
@@ -304,8 +309,8 @@ def markdown_summary(report: dict) -> str:
         sc = report["scaling"]
         lines += ["", f"Sequence-length scaling ({sc['shape']}, {sc['layout']}, forward + grad):", "",
                   "| impl | S | forward s | grad s | peak MiB |", "|---|---|---|---|---|"]
-        lines += [f"| {x['impl']} | {x['s']} | {x['forward_s']:.3f} | {x['grad_s']:.3f} | {x['peak_bytes'] / 2**20:.1f} |"
-                  for x in sc["rows"]]
+        lines += [f"| {x['impl']} | {x['s']} | {x['forward_s']:.3f} | {x['grad_s']:.3f} | "
+                  f"{x['peak_bytes'] / 2**20:.1f} |" for x in sc["rows"]]
         from .benchmarks.bench_scaling import fit_text
 
         lines += [f"\n{impl}: {fit_text(fit)}." + (f" {fit['stopped']}." if fit["stopped"] else "")

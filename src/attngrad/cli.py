@@ -118,7 +118,8 @@ def run_verify(ops: list[str] | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="attngrad", description=__doc__)
+    parser = argparse.ArgumentParser(prog="attngrad", description="attngrad: Huawei Ascend CANN's attention "
+                                     "training operators on the CPU; one subcommand per task (docs in README.md).")
     sub = parser.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("examples", help="run the Python ports of CANN's C++ examples")
     ex.add_argument("names", nargs="*", help="example module names (default: all)")

@@ -263,7 +263,8 @@ def run_compare(golden: str, actual: str, rule: str | None, as_json: bool, plot:
         print(json.dumps({"rule": rule or "element", "passed": all(r["passed"] for r in results),
                           "outputs": results}, indent=2))
     else:
-        print_report(results, f"attngrad compare {actual} against {golden} (rule: {rule or 'element'})")
+        rule_name = rule or "every output, element rule"
+        print_report(results, f"attngrad compare {actual} against {golden} (rule: {rule_name})")
     if plot:
         plot_bad_blocks(golden, actual, results, plot)
     return 0 if all(r["passed"] for r in results) else 1

@@ -13,9 +13,12 @@ from .loop import DEFAULT_STEPS, DTYPES, TrainConfig, train
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``train`` subcommand to an argparse subparsers object."""
     p = subparsers.add_parser("train", help="train a small model on attngrad's operators (optionally beside "
-                                            "plain PyTorch)", description=__doc__)
-    p.add_argument("--model", choices=("llama", "mamba2"), default="llama")
-    p.add_argument("--steps", type=int, help=f"training steps (default: {DEFAULT_STEPS})")
+                                            "plain PyTorch)",
+                              description="Train a small LLaMA or Mamba2 on attngrad's operators "
+                                          "(docs/training.md).")
+    p.add_argument("--model", choices=("llama", "mamba2"), default="llama", help="the model (default llama)")
+    p.add_argument("--steps", type=int, help="training steps (default: "
+                   + ", ".join(f"{steps} for {model}" for model, steps in DEFAULT_STEPS.items()) + ")")
     p.add_argument("--seq", type=int, default=256, help="tokens per packed row (default 256)")
     p.add_argument("--batch", type=int, default=8, help="rows per step (default 8)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default="fp32")
