@@ -9,8 +9,8 @@ process per (implementation, S) (B1 N1 D64 bf16, layout BNSD, no mask):
 
 The child first runs both calls at S = 256 (kernels compiled or loaded), makes the inputs, resets the
 kernel's peak-RSS mark (``/proc/self/clear_refs``), then times one forward and one grad at the requested
-S; the peak memory is the peak RSS (VmHWM) minus the RSS before the calls (inputs excluded). A sweep stops once the next size would
-take longer than ``--scaling-call-limit`` seconds per call or more than ``--scaling-mem-limit-gib`` of
+S; the peak memory is the peak RSS (VmHWM) minus the RSS before the calls (inputs excluded). A sweep stops once
+the next size would take longer than ``--scaling-call-limit`` seconds per call or more than ``--scaling-mem-limit-gib`` of
 peak memory (extrapolated as S^2 from the last size), and the report says so. Exponents are the
 least-squares slopes of log(time) and log(memory) against log(S) over the sizes from 2048 on.
 

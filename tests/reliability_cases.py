@@ -478,8 +478,8 @@ UNBOUNDED = 2147483647
 
 
 def _golden_rule(a: dict, sq: int, skv: int) -> tuple:
-    """The sparse modes' index rules (docs/cann-semantics.md), written out: ``(pre, next, prefix, mask applied element-wise)`` in left-up origin for
-    sparseMode / tokens / prefix; without attenMask everything is visible."""
+    """The sparse modes' index rules (docs/cann-semantics.md), written out: ``(pre, next, prefix, mask applied
+    element-wise)`` in left-up origin for sparseMode / tokens / prefix; without attenMask everything is visible."""
     if a["atten_mask"] is None:
         return UNBOUNDED, UNBOUNDED, None, False
     mode, pre, nxt, prefix = int(a["sparse_mode"]), int(a["pre_tokens"]), int(a["next_tokens"]), a["prefix"]
