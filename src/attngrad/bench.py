@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from .cli import op_selected
+
 
 @dataclass
 class BenchCase:
@@ -174,10 +176,6 @@ def _module_cases(module_name: str, quick: bool) -> tuple[BenchCase, ...]:
     return tuple(module.cases(quick=quick)) if hasattr(module, "cases") else ()
 
 
-def _op_selected(op: str, args) -> bool:
-    return not args.op or any(o.lower() in op.lower() for o in args.op)
-
-
 def collect_cases(args) -> list[BenchCase]:
     """The cases ``args`` select. A module whose ``OPS`` (the operators its cases time) none of the ``--op``
     filters select is not built: building runs its kernels, a numba compile on a cold cache."""
@@ -187,10 +185,10 @@ def collect_cases(args) -> list[BenchCase]:
     cases = []
     for info in sorted(pkgutil.iter_modules(package.__path__), key=lambda m: m.name):
         name = f"{package.__name__}.{info.name}"
-        if not any(_op_selected(op, args) for op in getattr(importlib.import_module(name), "OPS", ())):
+        if not any(op_selected(op, args.op) for op in getattr(importlib.import_module(name), "OPS", ())):
             continue
         for case in _module_cases(name, args.quick):
-            if not _op_selected(case.op, args):
+            if not op_selected(case.op, args.op):
                 continue
             if dtypes and case.dtype not in dtypes:
                 continue
@@ -366,10 +364,7 @@ def first_call_latency(op: str) -> dict:
 
 
 def selected_first_calls(args) -> list[str]:
-    ops = list(FIRST_CALLS)
-    if args.op:
-        ops = [o for o in ops if any(s.lower() in o.lower() for s in args.op)]
-    return ops
+    return [op for op in FIRST_CALLS if op_selected(op, args.op)]
 
 
 def _render_first_calls(rows: list[dict], console) -> None:

@@ -33,6 +33,12 @@ def run_examples(names: list[str] | None) -> int:
     return status
 
 
+def op_selected(op: str, filters: list[str] | None) -> bool:
+    """The ``--op`` rule of ``bench`` and ``verify``: ``op`` contains one of ``filters`` (case-insensitive
+    substrings); no filters select every operator."""
+    return not filters or any(f.lower() in op.lower() for f in filters)
+
+
 def require_extra(module: str, extra: str, hint: str = ""):
     """Import ``module`` (an optional dependency) for a command, or exit with one line naming the extra that
     installs it (``pip install "attngrad[<extra>]"``)."""

@@ -35,9 +35,11 @@ def all_cases() -> list[VerifyCase]:
 def select_cases(ops: list[str] | None) -> list[VerifyCase]:
     """The cases whose operator name contains one of ``ops`` (case-insensitive, as ``attngrad bench --op``);
     None: all. An entry of ``ops`` that no operator name contains raises ValueError listing the names."""
+    from ..cli import op_selected
+
     cases = all_cases()
     names = sorted({case.op for case in cases})
-    unknown = [o for o in ops or () if not any(o.lower() in name.lower() for name in names)]
+    unknown = [o for o in ops or () if not any(op_selected(name, [o]) for name in names)]
     if unknown:
         raise ValueError(f"no operator matches {', '.join(map(repr, unknown))}; the operators: {', '.join(names)}")
-    return [case for case in cases if not ops or any(o.lower() in case.op.lower() for o in ops)]
+    return [case for case in cases if op_selected(case.op, ops)]
