@@ -9,9 +9,10 @@ output row of scratch per task.
 
 Forward: a length-T fp32 vector ``acc`` holds the running column sums ``acc[j] = x[j+1] + ... + x[i]``,
 accumulated down each column as CANN's kernel does (never a difference of cumulative sums). Unlike CANN the
-sums carry a Kahan compensation term (still fp32): the exponent's rounding error becomes the output's relative
-error, and plain fp32 sums of large segments (|sum| up to 88, the fp32 exp range) exceed the fp32
-norm-relative limit of 1e-5 (up to 1.3e-5; compensated about 4x less). nan/inf propagate as in the plain sum.
+sums carry a compensation term (Neumaier's, still fp32): the exponent's rounding error becomes the output's
+relative error, and plain fp32 sums of large segments (|sum| up to 88, the fp32 exp range) exceed the fp32
+norm-relative limit of 1e-5; compensated, what is left is about the final rounding of the sum to fp32.
+nan/inf propagate as in the plain sum.
 Each row is one fused loop (add x[i], exp, round) over whole 16-lane vectors through the diagonal (the columns
 past it add -0.0 and give 0) into an aligned scratch row, copied out with non-temporal stores when the output
 is large (:func:`.numeric.copy_row`). The exp is :func:`.numeric.exp_for`; bf16 rounds by ``narrow_ftz`` unless
@@ -53,13 +54,21 @@ _LANES = 16  # rows are swept in whole 16-lane vectors (one AVX-512 register of 
 
 @njit(inline="always", fastmath=_ORDERED)
 def _add(acc, comp, xi, j, i32):
-    """Add x[i] to the running sum of column j when j < i (Kahan-compensated fp32); from column i on, add -0.0,
-    which leaves the column's sum (still zero) as it is. Returns the new sum."""
-    y = xi - comp[j] if np.int32(j) < i32 else _NEG_ZERO
-    t = acc[j] + y
-    comp[j] = (t - acc[j]) - y if abs(t) < _INF else np.float32(0.0)  # inf/nan: no compensation
+    """Add x[i] to the running sum of column j when j < i; from column i on, add -0.0, which leaves the column's
+    sum (still zero) as it is. Returns the compensated sum ``acc[j] + comp[j]``.
+
+    Neumaier's compensated sum in fp32: ``comp[j]`` collects the exact rounding error of every addition (Knuth's
+    branch-free two-sum), whichever operand is the larger; Kahan's form loses it when an addend outweighs the
+    running sum."""
+    y = xi if np.int32(j) < i32 else _NEG_ZERO
+    s = acc[j]
+    t = s + y
+    y_part = t - s
+    error = (s - (t - y_part)) + (y - y_part)
+    c = comp[j] + error if abs(t) < _INF else np.float32(0.0)  # inf/nan: no compensation
+    comp[j] = c
     acc[j] = t
-    return t
+    return t + c
 
 
 @njit(inline="always", fastmath=_ORDERED)
