@@ -267,6 +267,29 @@ def test_backward_inf_in_row_sum(scale):
     assert (out[0, 0, 1] == 0).all()  # dy - sum(dy * y) = 1 - 1 = 0 in the clean row
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [17, 64, 1000])  # a scalar tail, whole vectors, both
+@pytest.mark.parametrize("rows", [1, 70])  # one row, and rows whose sums are taken ahead of their gradients
+def test_backward_products_in_cann_order(dtype, width, rows):
+    # ((dy - sum) * y) * scale: y * scale = 1e-50 underflows float32, the gradient (+-1e-38) does not
+    shape = (1, 1, rows, width)
+    y = torch.full(shape, 1e-20)
+    y[..., 0] = 1.0
+    dy = torch.zeros(shape)
+    dy[..., 1::2] = 1e12
+    dy[0, 0, 0, 3] = float("inf")  # then (inf - inf) * y = nan at 3 and -inf (not inf * 0 = nan) elsewhere
+    y, dy = y.to(dtype), dy.to(dtype)
+    mask = torch.zeros(shape, dtype=torch.bool)
+    out = attngrad.scaled_masked_softmax_backward(dy, y, mask, 1e-30)
+    golden = scaled_masked_softmax_backward_reference(dy, y, mask, 1e-30)
+    assert torch.equal(out[0, 0, 0].isnan(), golden[0, 0, 0].isnan())
+    assert (out[0, 0, 0, [0, 1, 2]] == -float("inf")).all()
+    rest = out[0, 0, 1:].double()
+    assert (rest[:, 1::2] != 0).all()
+    # against the golden rounded to the dtype: within bf16's rounding (float32's subnormals are closer)
+    assert torch.allclose(rest, golden[0, 0, 1:].to(dtype).double(), rtol=2 ** -7, atol=0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_large_magnitudes(dtype):
     shape = (1, 2, 3, 50)

@@ -441,6 +441,22 @@ def _f32_to_f16c(typingctx, v):
     return types.int16(v), codegen
 
 
+@intrinsic
+def ordered_mul(typingctx, a, b):
+    """float32 ``a * b`` that fast math keeps in place: its ``fmul`` carries FASTMATH's flags without
+    ``reassoc`` (numba's fast-math pass fills in only instructions that have none), so LLVM cannot regroup
+    ``ordered_mul(a, b) * c`` into ``a * (b * c)``, whose inner product may underflow or overflow first."""
+    if a != types.float32 or b != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        product = builder.fmul(args[0], args[1])
+        product.flags.extend(sorted(FASTMATH - {"reassoc"}))
+        return product
+
+    return types.float32(a, b), codegen
+
+
 FLOAT16_GRID_LIMIT = np.float32(65520.0)  # |v| from here on rounds to a float16 inf; float16_grid stays finite
 
 

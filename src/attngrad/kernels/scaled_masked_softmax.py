@@ -47,8 +47,8 @@ from numba.extending import intrinsic, overload
 from .layouts import strided_layout
 from .numeric import (FASTMATH, FLOAT16_GRID_LIMIT, HAS_AVX512_FP16, NO_POSITIVE, aligned_empty, array_at, copy_row,
                       exp_nonpositive, float16_grid, fmax_any_nan, narrow, narrow_fast, narrow_finite, narrow_ftz_exact,
-                      prefer_512_bit_vectors, prefetch_bytes, row_address, row_view, stream_fence, track_flushable,
-                      track_nan, widen)
+                      ordered_mul, prefer_512_bit_vectors, prefetch_bytes, row_address, row_view, stream_fence,
+                      track_flushable, track_nan, widen)
 from .threads import on_torch_threads
 
 MASK_VALUE = np.float32(-10000.0)  # CANN fills masked logits with -10000, not -inf
@@ -389,7 +389,9 @@ def _row_dot(gr, yr):
 
 @njit(inline="always", fastmath=FASTMATH)
 def _grad(gr, yr, mr, j, acc, scale):
-    g = (widen(gr[j]) - acc) * widen(yr[j]) * scale
+    """CANN's ``((dy - acc) * y) * scale`` in that order (y * scale first could underflow to 0, or give
+    inf * 0 = nan where dy is infinite), or 0 where masked."""
+    g = ordered_mul(widen(gr[j]) - acc, widen(yr[j])) * scale
     return _fill_where(mr[j], np.float32(0.0), g)
 
 
