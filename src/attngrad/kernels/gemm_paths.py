@@ -154,6 +154,16 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- measurement
+def _aligned_empty(shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    """``np.empty`` starting on a cache line, as the kernels' tiles do (``numeric.aligned_empty``): numpy's
+    buffers start anywhere, and an AMX tile's rows that straddle cache lines made a timed product run at 0.4 to
+    1.3 TFLOP/s from one process to the next."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(size + 64, np.uint8)
+    skip = -raw.ctypes.data % 64
+    return raw[skip:skip + size].view(dtype).reshape(shape)
+
+
 def measure(dtype: torch.dtype) -> dict[str, float]:
     """Microseconds of one backward tile set (module docstring) on each path, best of ``_ROUNDS`` interleaved
     rounds, on ``dtype`` (bfloat16 or float16) tiles."""
@@ -163,8 +173,8 @@ def measure(dtype: torch.dtype) -> dict[str, float]:
     for m, n, k in _TILE_SET:
         a, b = (torch.from_numpy(rng.standard_normal(s, dtype=np.float32)).to(dtype).view(torch.int16).numpy()
                 .view(bits) for s in ((m, k), (k, n)))
-        tiles.append((a, b, np.empty((k // 2, n), np.uint32), np.empty((m, k), np.float32),
-                      np.empty((k, n), np.float32), np.empty((m, n), np.float32)))
+        tiles.append((a, b, _aligned_empty((k // 2, n), np.uint32), _aligned_empty((m, k), np.float32),
+                      _aligned_empty((k, n), np.float32), _aligned_empty((m, n), np.float32)))
     brgemm_native = dtype in BRGEMM_DTYPES
     brgemm_widened = torch.float32 in BRGEMM_DTYPES
     runs = {NATIVE: lambda t: _native_product(*t, brgemm_native),
@@ -251,13 +261,13 @@ def tile_tflops(dtype: torch.dtype, threads: int, seconds: float = 0.2) -> float
 def _tile_operands(dtype: torch.dtype, m: int, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(a ``[m, k]``, b as the native path takes it, c ``[m, n]`` fp32) of random values in ``dtype``."""
     a, b = (torch.randn(s).to(dtype) for s in ((m, k), (k, n)))
-    c = np.empty((m, n), np.float32)
+    c = _aligned_empty((m, n), np.float32)
     if dtype == torch.float32:
         return a.numpy(), b.numpy(), c
     a16, b16 = (t.view(torch.int16).numpy().view(_KERNEL_BITS[dtype]) for t in (a, b))
     if dtype not in BRGEMM_DTYPES:
         return a16, b16, c
-    b_pairs = np.empty((k // 2, n), np.uint32)
+    b_pairs = _aligned_empty((k // 2, n), np.uint32)
     _pack_pairs(b16, b_pairs)
     return a16, b_pairs, c
 
