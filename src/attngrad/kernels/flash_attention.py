@@ -116,6 +116,9 @@ _FLT_MAX = np.float32(-MASKED_LOGIT)
 _BQ = 256  # query rows of a tile
 _BK = 256  # key columns of a tile
 _FWD_BK = 512  # key columns of a forward tile (fewer online-softmax rescales of the accumulator)
+# bytes past each row of the forward's score and P tiles: rows 2 KiB / 1 KiB apart put a 16-row AMX tile's rows
+# in few cache sets, and the brgemm's tile stores and loads conflict (docs/performance.md, 'GEMM paths')
+_ROW_PAD = 64
 _EDGE_ROWS = 64  # query rows of the tiles across the visible region's edge (forward and backward)
 _ROWS_AHEAD = 2  # a dense pse or atten_mask row is prefetched this many rows ahead of its use
 _TARGET_TASKS = 16  # the backward splits keys into chunks until B*N2*chunks reaches this (when it can)
@@ -222,8 +225,8 @@ class ForwardScratch(NamedTuple):
     """A forward task's tiles: fp32 scores s, P p (input dtype), fp32 accumulator acc, running max m and sum l,
     and with the rope product on the brgemm the task's ``[Q | Q_rope]`` rows qq."""
 
-    s: np.ndarray  # [_BQ, _FWD_BK]
-    p: np.ndarray  # [_BQ, _FWD_BK]
+    s: np.ndarray  # [_BQ, _FWD_BK + _ROW_PAD / 4]: the padding is never read
+    p: np.ndarray  # [_BQ, _FWD_BK + _ROW_PAD / itemsize]
     acc: np.ndarray  # [_BQ, Dv]
     m: np.ndarray  # [_BQ]
     l: np.ndarray  # [_BQ]
@@ -696,7 +699,7 @@ def _forward_block(ops, plan, b, n, i0, rows, allow_skip, work):
     acc = work.acc
     n2 = n // (ops.q.shape[1] // k.shape[1])
     Skv = k.shape[2]
-    BK = work.s.shape[1]
+    BK = _FWD_BK
     work.m[:] = -np.inf
     work.l[:] = 0.0
     skipped = False
@@ -746,7 +749,7 @@ def _forward_visible_tile(ops, plan, work, tile, n2, block, kind, first):
     q, v = ops.q, ops.v
     b, n, i0, rows, j0, cols = tile
     s, p, acc = work.s, work.p, work.acc
-    BK = s.shape[1]
+    BK = _FWD_BK
     on_brgemm = ops.packed and (block % 2 == 0 or not _pairs(q))
     kt = (row_address(ops.kt, b, n2, j0 // BK), block)
     with_rope = on_brgemm and _packed_rope(ops)
@@ -834,7 +837,8 @@ def _forward_scratch(ops):
     """A thread's :class:`ForwardScratch`, reused by its tasks."""
     q = ops.q
     qq = (1, 1, _BQ, q.shape[3] + ops.qr.shape[3]) if _packed_rope(ops) else (1, 1, 1, 1)
-    return ForwardScratch(aligned_empty((_BQ, _FWD_BK), np.float32), aligned_empty((_BQ, _FWD_BK), q.dtype),
+    return ForwardScratch(aligned_empty((_BQ, _FWD_BK + _ROW_PAD // 4), np.float32),
+                          aligned_empty((_BQ, _FWD_BK + _ROW_PAD // q.itemsize), q.dtype),
                           aligned_empty((_BQ, ops.v.shape[3]), np.float32), aligned_empty((_BQ,), np.float32),
                           aligned_empty((_BQ,), np.float32), aligned_empty(qq, q.dtype))
 
