@@ -97,14 +97,16 @@ def test_flash_attention_varlen_golden_and_npu_default():
 
 def test_kernel_flags_widened_gemm_with_rounded_probs_matches_npu(dtype=torch.bfloat16):
     """widen_gemm with round_probs: the npu mode's values (rounded P and dS, widened exactly) through float32
-    GEMMs; equal to the npu mode up to float32 accumulation order (at most one unit in the last place)."""
+    GEMMs; equal to the npu mode up to float32 accumulation order. A score summed in another order (AMX sums bf16
+    products in another order than the float32 brgemm) may round P to the neighbouring bf16 value, which moves an
+    output that is a small difference of large terms by more than its last place: hence the absolute tolerances."""
     q, k, v, dy = attention_inputs("BNSD", 1, 2, 1, 200, 300, 64, 64, dtype, seed=7)
     npu = AttentionPlan(scale=SCALE)
     fast = dataclasses.replace(npu, widen_gemm=True, round_probs=True)
     out, smax, ssum = fa_kernels.flash_attention_forward(q, k, v, npu)
     out_f, smax_f, ssum_f = fa_kernels.flash_attention_forward(q, k, v, fast)
     ulp = {torch.bfloat16: 2.0**-7, torch.float16: 2.0**-10}[dtype]
-    torch.testing.assert_close(out_f, out, rtol=ulp, atol=1e-5)
+    torch.testing.assert_close(out_f, out, rtol=ulp, atol=1e-4)
     torch.testing.assert_close(smax_f, smax, rtol=1e-6, atol=0)
     grads = fa_kernels.flash_attention_backward(q, k, v, dy, out, smax, ssum, npu)[:3]
     grads_f = fa_kernels.flash_attention_backward(q, k, v, dy, out, smax, ssum, fast)[:3]
