@@ -117,7 +117,8 @@ _BQ = 256  # query rows of a tile
 _BK = 256  # key columns of a tile
 _FWD_BK = 512  # key columns of a forward tile (fewer online-softmax rescales of the accumulator)
 # bytes past each row of the forward's score and P tiles: rows 2 KiB / 1 KiB apart put a 16-row AMX tile's rows
-# in few cache sets, and the brgemm's tile stores and loads conflict (docs/performance.md, 'GEMM paths')
+# in few cache sets, and the brgemm's tile stores and loads conflict (docs/performance.md, 'Padding the forward's
+# tiles')
 _ROW_PAD = 64
 _EDGE_ROWS = 64  # query rows of the tiles across the visible region's edge (forward and backward)
 _ROWS_AHEAD = 2  # a dense pse or atten_mask row is prefetched this many rows ahead of its use
