@@ -38,6 +38,7 @@ from numba import njit
 from ..machine import cpu_model, isa_flags
 from .gemm import BRGEMM_DTYPES, NO_TRANS, brgemm, gemm
 from .numeric import widen
+from .tensor_view import aligned_bytes
 
 ENV = "ATTNGRAD_GEMM_PATH"
 NATIVE, WIDENED = "native", "widened_fp32"
@@ -155,13 +156,9 @@ def _write_atomically(path: Path, text: str) -> None:
 
 # ----------------------------------------------------------------------------------------------- measurement
 def _aligned_empty(shape: tuple[int, ...], dtype: type) -> np.ndarray:
-    """``np.empty`` starting on a cache line, as the kernels' tiles do (``numeric.aligned_empty``): numpy's
-    buffers start anywhere, and an AMX tile's rows that straddle cache lines made a timed product run at 0.4 to
-    1.3 TFLOP/s from one process to the next."""
-    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    raw = np.empty(size + 64, np.uint8)
-    skip = -raw.ctypes.data % 64
-    return raw[skip:skip + size].view(dtype).reshape(shape)
+    """``np.empty`` starting on a cache line, as the kernels' tiles do: with numpy's buffers, which start
+    anywhere, a timed AMX product ran at 0.4 to 1.3 TFLOP/s from one process to the next."""
+    return aligned_bytes(int(np.prod(shape)) * np.dtype(dtype).itemsize, 64).view(dtype).reshape(shape)
 
 
 def measure(dtype: torch.dtype) -> dict[str, float]:

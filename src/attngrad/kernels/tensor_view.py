@@ -130,11 +130,17 @@ class OutputPool:
                 self._free_bytes -= oldest.nbytes
 
 
+def aligned_bytes(size: int, alignment: int) -> np.ndarray:
+    """``size`` uninitialised bytes starting on an ``alignment`` boundary (numpy's buffers start anywhere; the
+    numba kernels' scratch has its own :func:`.numeric.aligned_empty`)."""
+    raw = np.empty(size + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start:start + size]
+
+
 def _huge_page_block(size: int) -> np.ndarray:
     """``size`` bytes (a multiple of 2 MiB) starting on a 2 MiB boundary, advised ``MADV_HUGEPAGE``."""
-    raw = np.empty(size + _HUGE_PAGE, np.uint8)
-    start = -raw.ctypes.data % _HUGE_PAGE
-    block = raw[start:start + size]
+    block = aligned_bytes(size, _HUGE_PAGE)
     if _madvise is not None:
         _madvise(block.ctypes.data, size, _MADV_HUGEPAGE)
     return block
