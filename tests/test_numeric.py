@@ -15,7 +15,8 @@
 * ``prefetch`` / ``prefetch_l2`` compile to hints that change nothing; ``prefetch_bytes`` emits the level asked for;
 * ``copy_row`` copies exactly the requested bytes, streamed or not, at every alignment of both ends;
 * ``select_bits`` expands 16 bits at every bit offset of a byte to ``value`` / 0 and writes nothing else;
-* ``unowned`` views an array with its shape and strides (reads and writes reach the array).
+* ``unowned`` views an array with its shape and strides (reads and writes reach the array);
+* ``flush_denormals`` makes a subnormal product 0 until ``restore_float_mode`` (x86), which restores it.
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from numba import njit, prange
 
 from attngrad.kernels.numeric import (FASTMATH, FLOAT16_GRID_LIMIT, HAS_AVX512_BF16, NO_POSITIVE, STREAM_MIN_BYTES,
                                       _f16_to_f32, _f32_to_f16, aligned_empty, copy_row, exp2_32, exp_nonpositive,
-                                      exp32, exp_for, float16_grid, fmax_any_nan, fmaximum, narrow, narrow_fast,
-                                      narrow_finite, narrow_ftz, prefetch, prefetch_bytes, prefetch_l2, select_bits,
-                                      smallest_positive, stream_fence, streams, track_smallest_positive,
-                                      transpose_matrix, unowned, widen)
+                                      exp32, exp_for, float16_grid, flush_denormals, fmax_any_nan, fmaximum, narrow,
+                                      narrow_fast, narrow_finite, narrow_ftz, prefetch, prefetch_bytes, prefetch_l2,
+                                      restore_float_mode, select_bits, smallest_positive, stream_fence, streams,
+                                      track_smallest_positive, transpose_matrix, unowned, widen)
 from attngrad.kernels.tensor_view import kernel_view
 
 LOW_DTYPES = [torch.float16, torch.bfloat16]
@@ -508,3 +509,25 @@ def test_transpose_matrix_whole_blocks_and_edges(dtype, shape):
     out = np.full((3, *shape[::-1]), 99, dtype)
     _transposed_parallel(stack, out)
     np.testing.assert_array_equal(out, stack.transpose(0, 2, 1))
+
+
+@njit
+def _products_around_flush(a, b):
+    """a[k] * b[k] before (k = 0), while (1) and after (2) denormals are flushed; three pairs of loads, so that
+    the compiler cannot compute one product for all three."""
+    out = np.empty(3, np.float32)
+    out[0] = a[0] * b[0]
+    mode = flush_denormals()
+    out[1] = a[1] * b[1]
+    restore_float_mode(mode)
+    out[2] = a[2] * b[2]
+    return out
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="the flush mode is x86's MXCSR")
+def test_flush_denormals_until_the_mode_is_restored():
+    a, b = np.full(3, 1e-38, np.float32), np.full(3, 0.01, np.float32)  # the product, 1e-40, is subnormal
+    before, flushed, after = _products_around_flush(a, b)
+    assert before == after == a[0] * b[0] > 0
+    assert flushed == 0
+    assert np.float32(1e-38) * np.float32(0.01) > 0  # this thread's own mode is the one it had

@@ -106,8 +106,9 @@ from .gemm_paths import CALIBRATED_DTYPES, WIDENED, gemm_path
 from .gemm import BRGEMM_DTYPES, NO_TRANS, TRANS, brgemm, brgemm_release, gemm
 from .layouts import launch_strided
 from .numeric import (FASTMATH, LOG2E, SELECT_BITS, TRANSPOSE_BLOCK, aligned_empty, array_at, exp2_32, exp32,
-                      exp_nonpositive, fmaximum, narrow, narrow_ftz, prefer_512_bit_vectors, prefetch_bytes,
-                      row_address, row_view, select_bits, transpose_matrix, unowned, widen)
+                      exp_nonpositive, flush_denormals, fmaximum, narrow, narrow_ftz, prefer_512_bit_vectors,
+                      prefetch_bytes, restore_float_mode, row_address, row_view, select_bits, transpose_matrix,
+                      unowned, widen)
 from .tensor_view import kernel_view, new_output
 from .threads import claim, kernel_threads, on_torch_threads
 
@@ -394,30 +395,44 @@ def _prefetch_row_part(a, b, n, i, j0, count):
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _add_pse(s, r, tile, plan):
+def _alibi_terms(tile, plan):
+    """The generated alibi terms of a tile, one per diagonal (an empty array for the other pse kinds): float32
+    ``[rows + cols]``, ``t[u] = -slope * |d|`` (``-slope * sqrt|d|`` for pse_type 3) where
+    ``d = j - i + shift = j0 - i0 - (rows - 1) + shift + u``, so row r of the tile reads ``t[rows - 1 - r:]``;
+    see docs/cann-semantics.md, 'Position shift (pse)'."""
+    b, n, i0, rows, j0, cols = tile
+    pse = plan.pse
+    if plan.pse_kind < _PSE_ALIBI:
+        return aligned_empty((0,), np.float32)
+    out = aligned_empty((rows + cols,), np.float32)
+    slope = widen(pse[b if pse.shape[0] > 1 else 0, n, 0, 0])
+    d0 = np.float32(j0 - i0 - (rows - 1) + plan.shift)  # float32 sums of integers: exact below 2^24, and they vectorise
+    for u in range(rows + cols):
+        dist = abs(d0 + np.float32(np.int32(u)))
+        out[u] = -slope * (np.sqrt(dist) if plan.pse_kind == _PSE_ALIBI_SQRT else dist)
+    return out
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _add_pse(s, r, tile, plan, alibi):
     """Row r of the tile: raw QK^T -> ``QK^T * scale`` with the pse term of pse_type 0-3, in place.
 
-    The pse is read (or generated) for this row's keys only: dense ``[Bp, N1, Sp, Skv]`` broadcast over
-    b and rows, alibi-compressed (:func:`_compressed_source`), or ``-slope * |j - i + shift|`` (sqrt); see
-    docs/cann-semantics.md, 'Position shift (pse)'.
+    The pse is read for this row's keys only: dense ``[Bp, N1, Sp, Skv]`` broadcast over b and rows,
+    alibi-compressed (:func:`_compressed_source`), or the tile's generated :func:`_alibi_terms` ``alibi``.
     """
-    b, n, i0, _, j0, cols = tile
+    b, n, i0, rows, j0, cols = tile
     i = i0 + r
     kind, pse, scale = plan.pse_kind, plan.pse, plan.scale
     if kind == _PSE_NONE:
         for c in range(cols):
             s[r, c] = s[r, c] * scale
         return
-    bp = b if pse.shape[0] > 1 else 0
     if kind >= _PSE_ALIBI:
-        slope = widen(pse[bp, n, 0, 0])
-        d0 = np.float32(j0 - i + plan.shift)  # float32 sums of integers: exact below 2^24, and they vectorise
+        terms = alibi[rows - 1 - r:]
         for c in range(cols):
-            dist = abs(d0 + np.float32(np.int32(c)))
-            if kind == _PSE_ALIBI_SQRT:
-                dist = np.sqrt(dist)
-            s[r, c] = s[r, c] * scale - slope * dist
+            s[r, c] = s[r, c] * scale + terms[c]
         return
+    bp = b if pse.shape[0] > 1 else 0
     row, off, last = (i if pse.shape[2] > 1 else 0), 0, pse.shape[3] - 1
     if kind == _PSE_COMPRESSED:
         row, off = _compressed_source(i, plan.sq, pse.shape[2], pse.shape[3])
@@ -436,14 +451,15 @@ def _add_pse(s, r, tile, plan):
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _modify_scores(s, r, tile, general, plan):
+def _modify_scores(s, r, tile, general, plan, alibi):
     """Score modifier of row r of a tile: raw QK^T -> logit, in place.
 
     scale and pse (:func:`_add_pse`); keys outside both the band and the prefix, or set in atten_mask, get
-    -FLT_MAX. ``general`` False (tile entirely visible, no mask to read) skips the tests.
+    -FLT_MAX. ``general`` False (tile entirely visible, no mask to read) skips the tests. ``alibi``: the tile's
+    :func:`_alibi_terms`.
     """
     if not general:
-        _add_pse(s, r, tile, plan)
+        _add_pse(s, r, tile, plan, alibi)
         return
     b, n, i0, _, j0, cols = tile
     i = i0 + r
@@ -461,7 +477,7 @@ def _modify_scores(s, r, tile, general, plan):
             visible = (((c >= lo) & (c < hi)) | (c < pl)) & (excluded[c] == 0)
             s[r, c] = s[r, c] * scale if visible else _NEG
         return
-    _add_pse(s, r, tile, plan)
+    _add_pse(s, r, tile, plan, alibi)
     for c in range(cols):
         if not (((c >= lo) & (c < hi)) | (c < pl)):
             s[r, c] = _NEG
@@ -577,9 +593,10 @@ def _forward_tile(work, tile, general, plan):
     raw = not general and plan.pse_kind == _PSE_NONE and plan.scale > 0
     scale = plan.scale if raw else np.float32(1.0)
     f = aligned_empty((cols,), np.float32)
+    alibi = _alibi_terms(tile, plan)
     for r in range(rows):
         if not raw:
-            _modify_scores(s, r, tile, general, plan)
+            _modify_scores(s, r, tile, general, plan, alibi)
         new = max(m[r], _row_max(s, r, cols) * scale)
         alpha = exp32(m[r] - new)
         total = np.float32(0.0)
@@ -907,38 +924,56 @@ def _transpose_kernel(x, out):
 def _backward_tile(work, tile, general, plan, ops, dpse):
     """work.s holds QK^T, work.dp dY V^T: P = exp(S - max) * (1 / sum); Pd = P M / keep_prob -> work.pt and
     dS = P (dP M / keep_prob - Dr) -> work.s (fp32) and work.dst (input dtype); with ``plan.dpse`` dS (times scale
-    for pse_type 1) is added by :func:`_add_dpse_row`. Plain tiles (no score modifier) keep s raw and scale it
-    inside the exp sweep."""
+    for pse_type 1) is added by :func:`_add_dpse_row`. Tiles without a mask to test keep s raw and form the logit
+    inside the exp sweep (scale, and a generated alibi's term: :func:`_alibi_terms`); the others get it from
+    :func:`_modify_scores`.
+
+    Without dpse, denormals are flushed to zero here (:func:`.numeric.flush_denormals`): dS = P (dP - Dr) of a
+    P near the end of float32's range is one, and on x86 each costs a microcode assist; P and dS only feed the
+    GEMMs, where a term below 2**-126 is lost in any sum of normal ones."""
     prefer_512_bit_vectors()
+    mode = flush_denormals() if not plan.dpse else np.uint32(0)
     s, dp, pt, dst = work.s, work.dp, work.pt, work.dst
     smax, ssum, dr = ops.smax, ops.ssum, ops.dr
     b, n, i0, rows, _, cols = tile
-    dropout = plan.dropout
-    raw = not general and plan.pse_kind == _PSE_NONE
+    alibi = _alibi_terms(tile, plan)
+    raw = not general and (plan.pse_kind == _PSE_NONE or alibi.size > 0)
     scale = plan.scale if raw else np.float32(1.0)
     f = aligned_empty((cols,), np.float32)
+    if not plan.dropout:
+        f[:] = np.float32(1.0)
     for r in range(rows):
         i = i0 + r
         mr = smax[b, n, i]
         inv_l = np.float32(1.0) / ssum[b, n, i]
         dri = dr[b, n, i]
         if not raw:
-            _modify_scores(s, r, tile, general, plan)
-        if dropout:
+            _modify_scores(s, r, tile, general, plan, alibi)
+        if plan.dropout:
             _row_keep_factors(plan, tile, r, f)
+        if raw and alibi.size > 0:
+            terms = alibi[rows - 1 - r:]
             for c in range(cols):
-                pr = exp2_32((s[r, c] * scale - mr) * LOG2E) * inv_l
-                pt[r, c] = _operand(pr * f[c], plan.probs_like, pt)
-                s[r, c] = pr * (dp[r, c] * f[c] - dri)
-                dst[r, c] = _operand(s[r, c], plan.probs_like, dst)
+                _score_gradient(s, dp, pt, dst, r, c, s[r, c] * scale + terms[c], f[c], mr, inv_l, dri, plan)
+        elif plan.dropout:
+            for c in range(cols):
+                _score_gradient(s, dp, pt, dst, r, c, s[r, c] * scale, f[c], mr, inv_l, dri, plan)
         else:
             for c in range(cols):
-                pr = exp2_32((s[r, c] * scale - mr) * LOG2E) * inv_l
-                pt[r, c] = _operand(pr, plan.probs_like, pt)
-                s[r, c] = pr * (dp[r, c] - dri)
-                dst[r, c] = _operand(s[r, c], plan.probs_like, dst)
+                _score_gradient(s, dp, pt, dst, r, c, s[r, c] * scale, np.float32(1.0), mr, inv_l, dri, plan)
         if plan.dpse and mr > _NEG:
             _add_dpse_row(s, r, tile, plan, dpse)
+    if not plan.dpse:
+        restore_float_mode(mode)
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _score_gradient(s, dp, pt, dst, r, c, z, keep, mr, inv_l, dri, plan):
+    """Element (r, c) of :func:`_backward_tile` from its logit z and dropout factor ``keep``."""
+    pr = exp2_32((z - mr) * LOG2E) * inv_l
+    pt[r, c] = _operand(pr * keep, plan.probs_like, pt)
+    s[r, c] = pr * (dp[r, c] * keep - dri)
+    dst[r, c] = _operand(s[r, c], plan.probs_like, dst)
 
 
 @njit(inline="always", fastmath=FASTMATH)
