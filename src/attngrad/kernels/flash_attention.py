@@ -87,8 +87,10 @@ Tile classification (``_tile_kind``): a tile entirely outside the visible region
 skipped; a tile entirely inside it and without an atten_mask to read takes the fast path without
 per-element tests; the others go through ``_modify_scores``, the per-row score modifier (scale, pse,
 band / prefix / mask). The pse is never expanded: each row reads its slice of the dense
-``[Bp, N1, Sp, Skv]`` pse or of the alibi-compressed ``[Bp, N1, 1024, Skv]`` one, or generates the alibi
-from the slopes. Dropout bits become a row's keep factors sixteen at a time (``numeric.select_bits``).
+``[Bp, N1, Sp, Skv]`` pse or of the alibi-compressed ``[Bp, N1, 1024, Skv]`` one, or the alibi terms a tile
+generates from the slopes once per diagonal (``_alibi_terms``); tiles without per-element tests add those inside
+the backward's exp sweep. Dropout bits become a row's keep factors sixteen at a time (``numeric.select_bits``).
+The backward's tile sweep flushes subnormal results to zero unless it computes dpse (``_backward_tile``).
 """
 
 from __future__ import annotations
