@@ -289,6 +289,7 @@ def test_time_case_runs_more_rounds_for_fast_cases_within_limits():
 def test_report_opens_with_the_machine_and_calibrate_measures_again(tmp_path, monkeypatch, capsys, calibration_in):
     monkeypatch.setattr(bench, "measure_rooflines", lambda quick: dict(ROOFLINES))
     monkeypatch.setattr(bench, "collect_cases", lambda args: [memory_case()])
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX512_E3")
     argv = ["bench", "--quick", "--repeat", "1", "--no-plots", "--out", str(tmp_path)]
     assert main(argv) == 0 and len(calibration_in) == 2
     assert main([*argv, "--calibrate"]) == 0 and len(calibration_in) == 4
@@ -299,4 +300,5 @@ def test_report_opens_with_the_machine_and_calibrate_measures_again(tmp_path, mo
     assert machine["gemm_paths"] == {"bfloat16": "widened_fp32", "float16": "widened_fp32"}
     summary = (tmp_path / "bench.md").read_text()
     assert summary.startswith(f"CPU: {cpu_model()}") and "GEMM paths: bfloat16 widened_fp32" in summary
+    assert "; GEMMs capped by MKL_ENABLE_INSTRUCTIONS=AVX512_E3)" in summary
     assert "kernel tiles (best 0.5)" in summary and "fp32 tiles 2)" in summary  # the best of each dtype's GEMMs

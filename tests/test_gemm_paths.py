@@ -10,15 +10,16 @@ import torch
 
 from attngrad.kernels import gemm_paths
 from attngrad.kernels.gemm_paths import NATIVE, WIDENED, calibrate, calibration, gemm_path
-from attngrad.machine import isa_flags
+from attngrad.machine import GEMM_ISA_CAPS, isa_flags
 from helpers import attention_inputs
 
 
 @pytest.fixture(autouse=True)
 def _fresh_cache(tmp_path, monkeypatch):
-    """Each test: an empty cache folder, no override, no calibration remembered by this process."""
+    """Each test: an empty cache folder, no override or ISA cap, no calibration remembered by this process."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    monkeypatch.delenv(gemm_paths.ENV, raising=False)
+    for name in (gemm_paths.ENV, *GEMM_ISA_CAPS):
+        monkeypatch.delenv(name, raising=False)
     calibration.cache_clear()
     yield
     calibration.cache_clear()
@@ -66,6 +67,22 @@ def test_cache_round_trip(fake_timings):
     calibration.cache_clear()
     assert calibration() == entry and len(fake_timings) == 2  # read back, not measured again
     assert calibrate()["paths"] == entry["paths"] and len(fake_timings) == 4  # --calibrate measures again
+
+
+def test_isa_caps_of_the_gemm_libraries_key_their_own_calibration(monkeypatch, fake_timings):
+    uncapped = calibration()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_FP16")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX512_E3")
+    calibration.cache_clear()
+    capped = calibration()  # the libraries may now multiply without AMX: measured again, kept beside the other
+    caps = {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_FP16", "MKL_ENABLE_INSTRUCTIONS": "AVX512_E3"}
+    assert capped["key"]["isa_caps"] == caps
+    assert uncapped["key"]["isa_caps"] == {} and len(fake_timings) == 4
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.delenv("MKL_ENABLE_INSTRUCTIONS")
+    calibration.cache_clear()
+    assert calibration() == uncapped and len(fake_timings) == 4  # read back
+    assert len(json.loads(gemm_paths.cache_path().read_text())["entries"]) == 2
 
 
 @pytest.mark.parametrize("content", ["{not json", '{"format": 1, "entries": []}', "[]", "",

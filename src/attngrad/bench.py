@@ -139,12 +139,12 @@ def machine_info(recalibrate: bool = False) -> dict:
     per dtype (``recalibrate``: measured again, else from the calibration cache) with its timings."""
     from .kernels import gemm_paths
     from .kernels.threads import kernel_threads
-    from .machine import cpu_model, isa_flags
+    from .machine import cpu_model, gemm_isa_caps, isa_flags
 
     entry = gemm_paths.calibrate() if recalibrate else gemm_paths.calibration()
-    return {"cpu": cpu_model(), "isa": list(isa_flags()), "processor": platform.processor(),
-            "torch": torch.__version__, "threads": torch.get_num_threads(), "kernel_threads": kernel_threads(),
-            "cpus": os.cpu_count(),
+    return {"cpu": cpu_model(), "isa": list(isa_flags()), "isa_caps": gemm_isa_caps(),
+            "processor": platform.processor(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "kernel_threads": kernel_threads(), "cpus": os.cpu_count(),
             "gemm_paths": {str(d).removeprefix("torch."): gemm_paths.gemm_path(d)
                            for d in gemm_paths.CALIBRATED_DTYPES},
             "gemm_path_forced": gemm_paths.forced_path() is not None,
@@ -156,9 +156,10 @@ def machine_text(machine: dict) -> str:
     paths = ", ".join(f"{d} {p}" for d, p in machine["gemm_paths"].items())
     source = ("forced by ATTNGRAD_GEMM_PATH" if machine["gemm_path_forced"]
               else f"calibrated {machine['gemm_calibration']['measured']}")
-    return (f"CPU: {machine['cpu']} ({', '.join(machine['isa']) or 'no listed ISA extension'}), {machine['cpus']} "
-            f"CPUs; torch {machine['torch']}, {machine['threads']} threads (kernels: {machine['kernel_threads']}); "
-            f"GEMM paths: {paths} ({source})")
+    isa = ", ".join(machine["isa"]) or "no listed ISA extension"
+    caps = "".join(f"; GEMMs capped by {name}={value}" for name, value in machine["isa_caps"].items())
+    return (f"CPU: {machine['cpu']} ({isa}{caps}), {machine['cpus']} CPUs; torch {machine['torch']}, "
+            f"{machine['threads']} threads (kernels: {machine['kernel_threads']}); GEMM paths: {paths} ({source})")
 
 
 def rooflines_text(r: dict[str, float]) -> str:

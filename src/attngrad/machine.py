@@ -1,12 +1,15 @@
 """What this machine is: its CPU model and the instruction sets that decide attngrad's GEMM paths.
 
 Read by ``attngrad bench`` (its header) and by :mod:`attngrad.kernels.gemm_paths` (the key of its cache).
-The instruction sets are LLVM's view of the host, the one numba compiles the kernels for.
+The instruction sets are LLVM's view of the host, the one numba compiles the kernels for. The GEMM libraries may
+be told to use fewer (:func:`gemm_isa_caps`): with ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_FP16`` and
+``MKL_ENABLE_INSTRUCTIONS=AVX512_E3`` a CPU with AMX multiplies as one without it does, torch's GEMMs included.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import platform
 from pathlib import Path
 
@@ -24,6 +27,9 @@ ISA_FEATURES = {
     "NEON": ("neon",),
     "SVE": ("sve",),
 }
+
+# environment variables that cap the instruction sets of oneDNN (torch's brgemm and bf16 GEMMs) and MKL
+GEMM_ISA_CAPS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
 @functools.cache
@@ -45,3 +51,8 @@ def isa_flags() -> tuple[str, ...]:
     features = config.CPU_FEATURES if config.CPU_FEATURES is not None else get_host_cpu_features()
     present = {f[1:] for f in features.split(",") if f.startswith("+")}
     return tuple(name for name, needs in ISA_FEATURES.items() if present.issuperset(needs))
+
+
+def gemm_isa_caps() -> dict[str, str]:
+    """The :data:`GEMM_ISA_CAPS` set in this process's environment, name -> value (empty: no cap)."""
+    return {name: os.environ[name] for name in GEMM_ISA_CAPS if os.environ.get(name)}

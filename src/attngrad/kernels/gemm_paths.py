@@ -13,7 +13,8 @@ products), called single-threaded through the same numba/MKL entries as the kern
 the widened timing includes widening both operands of every product (the kernels widen some once per key block,
 so this favours ``native``), the native brgemm timing the VNNI packing of B. ``widened_fp32`` is chosen when it is
 at least ``_MARGIN`` faster, so that near ties stay native. The result is cached on disk (:func:`cache_path`, JSON)
-under a key of the CPU model, its instruction sets and the torch, MKL and attngrad versions; a missing, corrupted or
+under a key of the CPU model, its instruction sets, the caps the environment puts on the GEMM libraries
+(:func:`..machine.gemm_isa_caps`) and the torch, MKL and attngrad versions; a missing, corrupted or
 foreign cache file means a new measurement, never an error. ``ATTNGRAD_GEMM_PATH=native|widened_fp32`` forces a
 path for both dtypes (``auto`` or unset: the calibration); ``attngrad bench --calibrate`` measures again.
 """
@@ -35,7 +36,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from ..machine import cpu_model, isa_flags
+from ..machine import cpu_model, gemm_isa_caps, isa_flags
 from .gemm import BRGEMM_DTYPES, NO_TRANS, brgemm, gemm
 from .numeric import widen
 from .tensor_view import aligned_bytes
@@ -78,8 +79,9 @@ def cache_path() -> Path:
 
 
 def machine_key() -> dict:
-    """What the measurement depends on: CPU model and ISA, torch, MKL and attngrad versions."""
-    return {"cpu": cpu_model(), "isa": list(isa_flags()), "torch": torch.__version__,
+    """What the measurement depends on: CPU model and ISA, the GEMM libraries' ISA caps, torch, MKL and attngrad
+    versions."""
+    return {"cpu": cpu_model(), "isa": list(isa_flags()), "isa_caps": gemm_isa_caps(), "torch": torch.__version__,
             "mkl": _version("mkl"), "attngrad": _version("attngrad")}
 
 
