@@ -15,6 +15,7 @@ import torch
 
 import attngrad
 from attngrad import aclnn, npu
+from attngrad.kernels import gemm_paths
 from attngrad.kernels.flash_attention_plan import AttentionPlan, varlen_sparse_bands
 from attngrad.kernels.flash_attention_reference import (flash_attention_backward_reference,
                                                          flash_attention_forward_reference)
@@ -108,10 +109,23 @@ def test_golden_tnd(layout, dtype, heads):
     check_golden(q, k, v, dy, heads[0], Q_LENS, KV_LENS, 0.25, layout)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_each_batch_equals_bnsd_alone(dtype):
+@pytest.mark.parametrize("layout", ["", "TND"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_golden_tnd_on_widened_tiles(layout, dtype, monkeypatch):
+    """The GEMM path of CPUs that multiply 16-bit tiles faster widened: the TND rows are widened into BNSD copies."""
+    monkeypatch.setenv(gemm_paths.ENV, gemm_paths.WIDENED)
+    q, k, v, dy = varlen_inputs(Q_LENS, KV_LENS, 4, 2, 16, 8, dtype)
+    check_golden(q, k, v, dy, 4, Q_LENS, KV_LENS, 0.25, layout)
+
+
+@pytest.mark.parametrize("dtype, path", [(d, None) for d in DTYPES]
+                         + [(d, gemm_paths.WIDENED) for d in (torch.float16, torch.bfloat16)])
+def test_each_batch_equals_bnsd_alone(dtype, path, monkeypatch):
     """Batch b of the varlen call == the same problem through the BNSD path (bit for bit where the GEMMs'
-    order does not depend on the operands' placement, :func:`helpers.same_up_to_gemm_order`)."""
+    order does not depend on the operands' placement, :func:`helpers.same_up_to_gemm_order`), on this machine's
+    GEMM path and on widened tiles."""
+    if path is not None:
+        monkeypatch.setenv(gemm_paths.ENV, path)
     q, k, v, dy = varlen_inputs(Q_LENS, KV_LENS, 4, 2, 32, 32, dtype, seed=3)
     out, smax, ssum, dq, dk, dv = run_both(q, k, v, dy, 4, Q_LENS, KV_LENS, 0.2, "TND")
     for q0, q1, k0, k1 in batch_rows(Q_LENS, KV_LENS):

@@ -1481,10 +1481,14 @@ def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=
 def _widened(plan: AttentionPlan, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The inputs as the GEMMs take them: float32 copies (once per call) with ``plan.widen_gemm`` or where this
     machine multiplies bfloat16 / float16 faster on widened tiles (:func:`.gemm_paths.gemm_path`; P and dS are
-    still rounded as ``plan.round_probs`` says, so only the accumulation order differs), else as given."""
+    still rounded as ``plan.round_probs`` says, so only the accumulation order differs), else as given.
+
+    The copies are C-contiguous ``[B, N, S, D]`` (so the kernels read them as they are, whatever t's layout) on
+    :func:`.tensor_view.new_output` memory: a fresh copy of a whole varlen batch was faulted in page by page on every
+    call (docs/performance.md, 'Varlen on widened tiles')."""
     dtype = tensors[0].dtype
     widen = plan.widen_gemm or (dtype in CALIBRATED_DTYPES and gemm_path(dtype) == WIDENED)
-    return tuple(t.float() for t in tensors) if widen else tensors
+    return tuple(new_output(t.shape, torch.float32).copy_(t) for t in tensors) if widen else tensors
 
 
 def _transposed(t: torch.Tensor | None, packed: bool, like: torch.Tensor) -> np.ndarray:
