@@ -157,7 +157,8 @@ def machine_text(machine: dict) -> str:
     source = ("forced by ATTNGRAD_GEMM_PATH" if machine["gemm_path_forced"]
               else f"calibrated {machine['gemm_calibration']['measured']}")
     isa = ", ".join(machine["isa"]) or "no listed ISA extension"
-    caps = "".join(f"; GEMMs capped by {name}={value}" for name, value in machine["isa_caps"].items())
+    caps = ", ".join(f"{name}={value}" for name, value in machine["isa_caps"].items())
+    caps = f"; GEMMs capped by {caps}" if caps else ""
     return (f"CPU: {machine['cpu']} ({isa}{caps}), {machine['cpus']} CPUs; torch {machine['torch']}, "
             f"{machine['threads']} threads (kernels: {machine['kernel_threads']}); GEMM paths: {paths} ({source})")
 
