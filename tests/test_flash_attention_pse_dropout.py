@@ -110,9 +110,9 @@ def test_generated_alibi(pse_type, slopes, starts):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_generated_alibi_with_probabilities_at_the_end_of_float32(dtype):
     # every row has keys 145 or more positions away, where slopes of 0.6-1.2 take logit - max past -87.3, the end
-    # of float32's normal range for exp(logit - max) (P, and dS = P (dP - Dr), subnormal there); the backward
-    # flushes subnormals, and the gradients still match the reference; the calling thread's float mode (it runs
-    # tiles too) is the one it had
+    # of float32's normal range for exp(logit - max) (P, and dS = P (dP - Dr), subnormal there); the forward's
+    # P V and the backward flush subnormals, and the results still match the reference; the calling thread's float
+    # mode (it runs tiles too) is the one it had
     s = 290
     drop = generate_drop_mask(3, 0, B * N1 * s * s, 0.9)
     check("BNSD", dtype, s, s, pse=torch.linspace(0.6, 1.2, N1), pse_type=2, keep_prob=0.9, drop_mask=drop)

@@ -90,7 +90,13 @@ band / prefix / mask). The pse is never expanded: each row reads its slice of th
 ``[Bp, N1, Sp, Skv]`` pse or of the alibi-compressed ``[Bp, N1, 1024, Skv]`` one, or the alibi terms a tile
 generates from the slopes once per diagonal (``_alibi_terms``); tiles without per-element tests add those inside
 the backward's exp sweep. Dropout bits become a row's keep factors sixteen at a time (``numeric.select_bits``).
-The backward's tile sweep flushes subnormal results to zero unless it computes dpse (``_backward_tile``).
+Subnormals (below 2**-126) are flushed to zero (``numeric.flush_denormals``: results, and inputs read as zero) in
+the forward's P V product, in the backward's tile sweep unless it computes dpse, and in the backward's products
+that take P and dS (``_backward_visible_tile``). Far from the diagonal of a generated alibi, P runs to the end of
+float32's range, and on x86 each subnormal result costs a microcode assist unless flushed (the fp32 FMAs of
+widened or float32 tiles; AMX flushes them itself). A flushed term is below 2**-126 in magnitude; in a sum that
+also holds normal terms (a row's P V: its max has P = 1) it would be lost anyway, and a gradient made of such terms
+alone becomes 0 instead of a subnormal. The score products, on the inputs as given, are not flushed.
 """
 
 from __future__ import annotations
@@ -784,11 +790,13 @@ def _forward_visible_tile(ops, plan, work, tile, n2, block, kind, first):
         _add_rope_scores(ops, tile, n2, s)
     _forward_tile(work, tile, plan.has_mask or kind != _INSIDE, plan)
     Dv = v.shape[3]
+    mode = flush_denormals()  # P V with subnormals flushed: see the module docstring
     if on_brgemm:
         vp = _rows_operand(v, b, n2, j0, row_address(ops.vt, b, n2, j0 // BK))
         brgemm(q, rows, Dv, cols, _scratch(p), vp, _scratch(acc), not first)
     else:
         gemm(q, NO_TRANS, NO_TRANS, rows, Dv, cols, _scratch(p), _matrix(v, b, n2, j0), _scratch(acc), not first)
+    restore_float_mode(mode)
 
 
 @njit(inline="always")
@@ -928,13 +936,8 @@ def _backward_tile(work, tile, general, plan, ops, dpse):
     dS = P (dP M / keep_prob - Dr) -> work.s (fp32) and work.dst (input dtype); with ``plan.dpse`` dS (times scale
     for pse_type 1) is added by :func:`_add_dpse_row`. Tiles without a mask to test keep s raw and form the logit
     inside the exp sweep (scale, and a generated alibi's term: :func:`_alibi_terms`); the others get it from
-    :func:`_modify_scores`.
-
-    Without dpse, denormals are flushed to zero here (:func:`.numeric.flush_denormals`): dS = P (dP - Dr) of a
-    P near the end of float32's range is one, and on x86 each costs a microcode assist; P and dS only feed the
-    GEMMs, where a term below 2**-126 is lost in any sum of normal ones."""
+    :func:`_modify_scores`. Runs with subnormals flushed unless it computes dpse (:func:`_backward_visible_tile`)."""
     prefer_512_bit_vectors()
-    mode = flush_denormals() if not plan.dpse else np.uint32(0)
     s, dp, pt, dst = work.s, work.dp, work.pt, work.dst
     smax, ssum, dr = ops.smax, ops.ssum, ops.dr
     b, n, i0, rows, _, cols = tile
@@ -965,8 +968,6 @@ def _backward_tile(work, tile, general, plan, ops, dpse):
                 _score_gradient(s, dp, pt, dst, r, c, s[r, c] * scale, np.float32(1.0), mr, inv_l, dri, plan)
         if plan.dpse and mr > _NEG:
             _add_dpse_row(s, r, tile, plan, dpse)
-    if not plan.dpse:
-        restore_float_mode(mode)
 
 
 @njit(inline="always", fastmath=FASTMATH)
@@ -1153,11 +1154,17 @@ def _backward_visible_tile(ops, plan, grads, work, keys, packed, tile, n2, chunk
     tile = Tile(b, n, i0, rows, j0, cols)
     queries = _query_rows(ops, work, tile, on_brgemm)
     _score_gemms(ops, tile, n2, queries, keys, on_brgemm, work)
+    # subnormals flushed (:func:`.numeric.flush_denormals`) from the sweep on, or from its products on when the
+    # sweep computes dpse, a user-visible output
+    mode = flush_denormals() if not plan.dpse else np.uint32(0)
     _backward_tile(work, tile, plan.has_mask or kind != _INSIDE, plan, ops, grads.dpse)
+    if plan.dpse:
+        mode = flush_denormals()
     dq_acc = grads.dq_acc
     N1, Sq = ops.q.shape[1], ops.q.shape[2]
     dq_ptr = dq_acc.ctypes.data + (((chunk * dq_acc.shape[1] + b) * N1 + n) * Sq + i0) * dq_acc.shape[4] * 4
     _gradient_gemms(ops, tile, queries, keys, on_brgemm, work, dq_ptr)
+    restore_float_mode(mode)
 
 
 @njit(inline="always")
