@@ -298,16 +298,17 @@ def _fast_exact(tiny, inv):
 def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scratch, stream):
     """Softmax of rows [first, last): three fp32 row buffers ``bufs[0..2]`` rotate (loaded, exponentiated,
     stored); a stored row is rounded into ``out`` and copied to y (:func:`_put_row`). x and the mask are read
-    through row views (:func:`_logit_rows`, ``scratch``: two :func:`_scratch_rows`). The rows r - 1 .. r + 2 in
-    flight are (b0, n0, s0) .. (b3, n3, s3), advanced by :func:`_next_row` (the three divisions of :func:`_row`
-    per row cost about 7% of a bf16 row). The row after next is prefetched: a float32 row of 1024 is one
-    4 KiB page, where the hardware prefetchers stop, so without it each row would start with a cold stream."""
+    through row views (:func:`_logit_rows`, ``scratch``: two :func:`_scratch_rows`). The rows r - 1 .. r + 1 in
+    flight are (b0, n0, s0) .. (b2, n2, s2), advanced by :func:`_next_row` (the three divisions of :func:`_row`
+    per row cost about 7% of a bf16 row on Zen 4). The row after next is prefetched: a float32 row of 1024 is one
+    4 KiB page, where the hardware prefetchers stop, so without it each row would start with a cold stream. Its
+    (b, n, s) come from r by :func:`_row`: carried through the loop as a fourth row, they made the bf16 forward
+    slower on an Intel Xeon (docs/performance.md, 'The prefetched row's index')."""
     N, S1, S2 = x.shape[1], x.shape[2], x.shape[3]
     y_address, out_address = y.ctypes.data, out.ctypes.data
     b1, n1, s1, _, _ = _row(first, N, S1, mask)
     b0, n0, s0 = b1, n1, s1
     b2, n2, s2 = _next_row(b1, n1, s1, N, S1)
-    b3, n3, s3 = _next_row(b2, n2, s2, N, S1)
     xr, mr = _logit_rows(x, mask, _row_of(b1, n1, s1, mask), scratch)
     top_next = _load_checked_row(xr, mr, scale, round_scaled, bufs, 0)
     inv = np.float32(0.0)
@@ -316,7 +317,7 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
         cur, nxt, prv = (r - first) % 3, (r - first + 1) % 3, (r - first + 2) % 3
         top = top_next
         top_next = np.float32(-np.inf)
-        row_nxt, row_after = _row_of(b2, n2, s2, mask), _row_of(b3, n3, s3, mask)
+        row_nxt, row_after = _row_of(b2, n2, s2, mask), _row(r + 2, N, S1, mask)
         if r > first and r + 1 < last:
             # float32: row r + 2 in two halves; the whole row at once (80 lines with its mask) held up this
             # loop's own loads
@@ -342,8 +343,7 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
         fast = _fast_exact(tiny, inv)
         b0, n0, s0 = b1, n1, s1
         b1, n1, s1 = b2, n2, s2
-        b2, n2, s2 = b3, n3, s3
-        b3, n3, s3 = _next_row(b3, n3, s3, N, S1)
+        b2, n2, s2 = _next_row(b2, n2, s2, N, S1)
     _round_row(bufs, (last - 1 - first) % 3, inv, out, y, fast)
     _put_row(y, y_address, _row_of(b0, n0, s0, mask), out, out_address, stream)
 
