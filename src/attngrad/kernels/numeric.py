@@ -406,10 +406,10 @@ def _mxcsr_call(builder, name, slot):
 @intrinsic
 def flush_denormals(typingctx):
     """Make the calling thread's float operations flush denormals to zero (results and inputs); returns the
-    previous mode for :func:`restore_float_mode`. On x86 every vector operation with a denormal operand or result
-    takes a microcode assist of about a hundred cycles (a loop of products with 1% denormal results ran 9 times
-    slower on an Intel Xeon with AMX), and softmax sweeps meet them: a probability near the end of float32's
-    normal range times a factor below 1. Flushing changes values below 2**-126 only. A no-op off x86."""
+    previous mode for :func:`restore_float_mode`. On x86 a vector operation with a denormal operand or result
+    takes a microcode assist (docs/performance.md, 'Denormals in the backward's sweep'), and softmax sweeps meet
+    them: a probability near the end of float32's normal range times a factor below 1. Flushing changes values
+    below 2**-126 only. A no-op off x86."""
     def codegen(context, builder, sig, args):
         i32 = ir.IntType(32)
         if not _X86:

@@ -299,11 +299,10 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
     """Softmax of rows [first, last): three fp32 row buffers ``bufs[0..2]`` rotate (loaded, exponentiated,
     stored); a stored row is rounded into ``out`` and copied to y (:func:`_put_row`). x and the mask are read
     through row views (:func:`_logit_rows`, ``scratch``: two :func:`_scratch_rows`). The rows r - 1 .. r + 1 in
-    flight are (b0, n0, s0) .. (b2, n2, s2), advanced by :func:`_next_row` (the three divisions of :func:`_row`
-    per row cost about 7% of a bf16 row on Zen 4). The row after next is prefetched: a float32 row of 1024 is one
-    4 KiB page, where the hardware prefetchers stop, so without it each row would start with a cold stream. Its
-    (b, n, s) come from r by :func:`_row`: carried through the loop as a fourth row, they made the bf16 forward
-    slower on an Intel Xeon (docs/performance.md, 'The prefetched row's index')."""
+    flight are (b0, n0, s0) .. (b2, n2, s2), advanced by :func:`_next_row`. The row after next is prefetched: a
+    float32 row of 1024 is one 4 KiB page, where the hardware prefetchers stop, so without it each row would start
+    with a cold stream. Its (b, n, s) come from r by :func:`_row`, which was faster than carrying them through the
+    loop as a fourth row (docs/performance.md, 'The prefetched row's index')."""
     N, S1, S2 = x.shape[1], x.shape[2], x.shape[3]
     y_address, out_address = y.ctypes.data, out.ctypes.data
     b1, n1, s1, _, _ = _row(first, N, S1, mask)
