@@ -113,8 +113,8 @@ from .flash_attention_plan import MASKED_LOGIT, AttentionPlan
 from .gemm_paths import CALIBRATED_DTYPES, WIDENED, gemm_path
 from .gemm import BRGEMM_DTYPES, NO_TRANS, TRANS, brgemm, brgemm_release, gemm
 from .layouts import launch_strided
-from .numeric import (FASTMATH, LOG2E, SELECT_BITS, TRANSPOSE_BLOCK, aligned_empty, array_at, exp2_32, exp32,
-                      exp_nonpositive, flush_denormals, fmaximum, narrow, narrow_ftz, prefer_512_bit_vectors,
+from .numeric import (FASTMATH, LOG2E, SELECT_BITS, TRANSPOSE_BLOCK, aligned_empty, array_at, copy_row, exp2_32,
+                      exp32, exp_nonpositive, flush_denormals, fmaximum, narrow, narrow_ftz, prefer_512_bit_vectors,
                       prefetch_bytes, restore_float_mode, row_address, row_view, select_bits, transpose_matrix,
                       unowned, widen)
 from .tensor_view import kernel_view, new_output
@@ -1003,14 +1003,13 @@ def _add_dpse_row(s, r, tile, plan, dpse):
 
 @njit(inline="always")
 def _concatenate_rows(x, xr, b, n, nr, r0, count, out):
-    """``out[0, 0, t] = [x[b, n, r0 + t], xr[b, nr, r0 + t]]`` for t < count: rows of ``[x | x_rope]``."""
-    D = x.shape[3]
+    """``out[0, 0, t] = [x[b, n, r0 + t], xr[b, nr, r0 + t]]`` for t < count: rows of ``[x | x_rope]``, each
+    part by :func:`.numeric.copy_row` (wide moves; see docs/performance.md, 'MLA rope and attention sink')."""
+    head, tail = x.shape[3] * x.itemsize, xr.shape[3] * xr.itemsize
     for t in range(count):
-        xrow, rrow, orow = row_view(x, b, n, r0 + t), row_view(xr, b, nr, r0 + t), row_view(out, 0, 0, t)
-        for d in range(D):
-            orow[d] = xrow[d]
-        for d in range(xr.shape[3]):
-            orow[D + d] = rrow[d]
+        to = row_address(out, 0, 0, t)
+        copy_row(to, row_address(x, b, n, r0 + t), head, False)
+        copy_row(to + head, row_address(xr, b, nr, r0 + t), tail, False)
 
 
 @njit(inline="always")
