@@ -423,7 +423,9 @@ def _alibi_terms(tile, plan):
 
 @njit(inline="always", fastmath=FASTMATH)
 def _add_pse(s, r, tile, plan, alibi):
-    """Row r of the tile: raw QK^T -> ``QK^T * scale`` with the pse term of pse_type 0-3, in place.
+    """Row r of the tile: raw QK^T -> ``QK^T * scale`` with the pse term of pse_type 0-3, in place; returns the
+    max of the row's new values (``fmaximum``), which the forward takes from this sweep on tiles without a mask
+    to test (a caller that ignores it compiles without it).
 
     The pse is read for this row's keys only: dense ``[Bp, N1, Sp, Skv]`` broadcast over b and rows,
     alibi-compressed (:func:`_compressed_source`), or the tile's generated :func:`_alibi_terms` ``alibi``.
@@ -431,15 +433,18 @@ def _add_pse(s, r, tile, plan, alibi):
     b, n, i0, rows, j0, cols = tile
     i = i0 + r
     kind, pse, scale = plan.pse_kind, plan.pse, plan.scale
+    top = np.float32(-np.inf)
     if kind == _PSE_NONE:
         for c in range(cols):
             s[r, c] = s[r, c] * scale
-        return
+            top = fmaximum(top, s[r, c])
+        return top
     if kind >= _PSE_ALIBI:
         terms = alibi[rows - 1 - r:]
         for c in range(cols):
             s[r, c] = s[r, c] * scale + terms[c]
-        return
+            top = fmaximum(top, s[r, c])
+        return top
     bp = b if pse.shape[0] > 1 else 0
     row, off, last = (i if pse.shape[2] > 1 else 0), 0, pse.shape[3] - 1
     if kind == _PSE_COMPRESSED:
@@ -451,11 +456,14 @@ def _add_pse(s, r, tile, plan, alibi):
         for c in range(cols):
             x = widen(source[c])
             s[r, c] = (s[r, c] + x) * scale if first else s[r, c] * scale + x
-        return
+            top = fmaximum(top, s[r, c])
+        return top
     source = row_view(pse, bp, n, row)
     for c in range(cols):
         x = widen(source[min(max(j0 + c + off, 0), last)])
         s[r, c] = (s[r, c] + x) * scale if first else s[r, c] * scale + x
+        top = fmaximum(top, s[r, c])
+    return top
 
 
 @njit(inline="always", fastmath=FASTMATH)
@@ -591,7 +599,8 @@ def _forward_tile(work, tile, general, plan):
 
     Plain tiles (no score modifier, scale > 0) keep s raw: ``max(S) = max(QK^T) * scale`` (rounding is
     monotonic) and ``exp(QK^T * scale - m)`` in the same sweep as the rounding of P and the row sum.
-    Other tiles get their logits from :func:`_modify_scores` first (then the scale factor is 1).
+    Other tiles get their logits first (then the scale factor is 1): from :func:`_add_pse`, which also returns
+    their max, where no mask is to be tested, else from :func:`_modify_scores`.
     """
     prefer_512_bit_vectors()
     s, p, acc, m, l = work.s, work.p, work.acc, work.m, work.l
@@ -603,9 +612,14 @@ def _forward_tile(work, tile, general, plan):
     f = aligned_empty((cols,), np.float32)
     alibi = _alibi_terms(tile, plan)
     for r in range(rows):
-        if not raw:
+        if raw:
+            top = _row_max(s, r, cols) * scale
+        elif general:
             _modify_scores(s, r, tile, general, plan, alibi)
-        new = max(m[r], _row_max(s, r, cols) * scale)
+            top = _row_max(s, r, cols)
+        else:  # the logits and their max in one sweep
+            top = _add_pse(s, r, tile, plan, alibi)
+        new = max(m[r], top)
         alpha = exp32(m[r] - new)
         total = np.float32(0.0)
         if dropout:
