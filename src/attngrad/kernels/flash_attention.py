@@ -89,7 +89,7 @@ per-element tests; the others go through ``_modify_scores``, the per-row score m
 band / prefix / mask). The pse is never expanded: each row reads its slice of the dense
 ``[Bp, N1, Sp, Skv]`` pse or of the alibi-compressed ``[Bp, N1, 1024, Skv]`` one, or the alibi terms a tile
 generates from the slopes once per diagonal (``_alibi_terms``); tiles without per-element tests add those inside
-the backward's exp sweep. Dropout bits become a row's keep factors sixteen at a time (``numeric.select_bits``).
+the backward's exp sweep, and in the forward's sweep that also takes the row max (``_add_pse``). Dropout bits become a row's keep factors sixteen at a time (``numeric.select_bits``).
 Subnormals (below 2**-126) are flushed to zero (``numeric.flush_denormals``: results, and inputs read as zero) in
 the forward's P V product, in the backward's tile sweep unless it computes dpse, and in the backward's products
 that take P and dS (``_backward_visible_tile``). Far from the diagonal of a generated alibi, P runs to the end of
