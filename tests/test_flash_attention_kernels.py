@@ -8,9 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from attngrad.kernels.flash_attention import (Sequence, _backward_tasks, _chunk_bounds, _forward_tasks,
-                                              _transposed, backward_chunks, flash_attention_backward,
-                                              flash_attention_forward)
+from numba import njit
+
+from attngrad.kernels import flash_attention
+from attngrad.kernels.flash_attention import (_EDGE_ROWS, Gradients, Sequence, _backward_tasks, _chunk_bounds,
+                                              _dq_adds, _forward_tasks, _transposed, backward_chunks,
+                                              flash_attention_backward, flash_attention_forward)
 from attngrad.kernels.flash_attention_plan import FLT_MAX, MASKED_LOGIT, UNBOUNDED_TOKENS, AttentionPlan
 from attngrad.kernels.flash_attention_reference import (flash_attention_backward_reference,
                                                         flash_attention_forward_reference)
@@ -222,6 +225,57 @@ def test_transposed_copy_of_strided_and_contiguous_inputs(dtype, s, d):
     for t in (tnd.transpose(0, 1).unsqueeze(0), tnd.transpose(0, 1).unsqueeze(0).contiguous(), column_major):
         got = torch.from_numpy(_transposed(t, True, t)).view(dtype)
         assert got.shape == (1, 3, d, s) and torch.equal(got, t.transpose(-1, -2))
+
+
+@njit
+def _dq_adds_for_test(dq_acc, written, chunk, b, n, i0, rows):
+    placeholder = np.zeros((1, 1, 1, 1), np.float32)
+    grads = Gradients(dq_acc, written, placeholder, placeholder, placeholder, placeholder)
+    return _dq_adds(grads, chunk, b, n, i0, rows)
+
+
+def test_dq_product_writes_its_first_rows_and_adds_after():
+    """:func:`_dq_adds`: a tile whose row groups are all unwritten writes them, one whose groups are all written
+    adds; one that covers both zeroes the unwritten groups' rows (and only those) first, then adds. Every group
+    it covers is marked written, in its own chunk, batch and head only."""
+    E = _EDGE_ROWS
+    dq_acc = np.full((2, 1, 2, 4 * E + 10, 3), np.nan, np.float32)
+    written = np.zeros((2, 1, 2, 5), np.uint8)
+    assert not _dq_adds_for_test(dq_acc, written, 1, 0, 1, E, E)
+    assert written[1, 0, 1].tolist() == [0, 1, 0, 0, 0] and written.sum() == 1
+    assert np.isnan(dq_acc).all()  # a write needs no zeros
+    assert _dq_adds_for_test(dq_acc, written, 1, 0, 1, 0, 4 * E + 10)
+    assert written[1, 0, 1].tolist() == [1] * 5 and written.sum() == 5
+    head = dq_acc[1, 0, 1]
+    assert np.isnan(head[E:2 * E]).all() and (head[:E] == 0).all() and (head[2 * E:] == 0).all()
+    assert np.isnan(np.delete(dq_acc.reshape(4, -1), 3, axis=0)).all()
+    assert _dq_adds_for_test(dq_acc, written, 1, 0, 1, 2 * E, E)
+
+
+def _nan_filled(new_output):
+    """new_output whose float tensors come filled with nan: a kernel that reads memory it did not write shows."""
+    def filled(shape, dtype):
+        t = new_output(shape, dtype)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    return filled
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,n,sq,skv,nxt", [(1, 1, 700, 1100, 0), (1, 16, 600, 600, 0), (2, 2, 300, 300, -100)])
+def test_dq_slices_need_no_zeroing(monkeypatch, dtype, b, n, sq, skv, nxt):
+    """The dQ slices come uninitialised (here: nan): a causal band over several key chunks (one key block each,
+    or all blocks in one chunk), and a band whose first 100 rows see no key while the statistics given do not
+    mark them masked, so that no tile writes their dQ (then 0, as in the reference)."""
+    monkeypatch.setattr(flash_attention, "new_output", _nan_filled(flash_attention.new_output))
+    q, k, v, dy = attention_inputs("BNSD", b, n, n, sq, skv, 32, 32, dtype)
+    plan = AttentionPlan(scale=0.2, pre_tokens=UNBOUNDED_TOKENS, next_tokens=nxt)
+    stats = _golden_stats(q, k, v, AttentionPlan(scale=0.2) if nxt < 0 else plan)
+    grads = flash_attention_backward(q, k, v, dy, *stats, plan)
+    golden = flash_attention_backward_reference(q, k, v, dy, *stats, plan)
+    for got, want in zip(grads[:3], golden):
+        assert_close(got, want, dtype)
+    if nxt < 0:
+        assert (grads[0][:, :, :100] == 0).all()
 
 
 def test_task_lists_cover_every_block_once_costliest_first():

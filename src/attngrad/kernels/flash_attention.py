@@ -58,7 +58,8 @@ Tiles and work split (both cores busy even for one head, results identical for a
   independent) run of key blocks, the runs of about equal cost (:func:`_chunk_bounds`). A task owns dK/dV of
   its key blocks (fp32 tile accumulators over the G heads and all query blocks, in a fixed order; stored
   transposed, ``[D, BK]``) and adds its dQ contribution into its own fp32 slice ``dq_acc[chunk]``; the slices
-  are summed in chunk order at the end.
+  are summed in chunk order at the end. They are not zeroed: the first product into a group of ``_EDGE_ROWS``
+  rows writes it and flags it written (:func:`_dq_adds`), and the sum skips the groups a chunk never wrote.
   A tile is cut to its leading columns that hold visible keys, and one across the visible region's edge
   (the causal diagonal) runs as tiles of ``_EDGE_ROWS`` query rows, each cut on its own
   (:func:`_backward_visible_tile`).
@@ -89,7 +90,8 @@ per-element tests; the others go through ``_modify_scores``, the per-row score m
 band / prefix / mask). The pse is never expanded: each row reads its slice of the dense
 ``[Bp, N1, Sp, Skv]`` pse or of the alibi-compressed ``[Bp, N1, 1024, Skv]`` one, or the alibi terms a tile
 generates from the slopes once per diagonal (``_alibi_terms``); tiles without per-element tests add those inside
-the backward's exp sweep, and in the forward's sweep that also takes the row max (``_add_pse``). Dropout bits become a row's keep factors sixteen at a time (``numeric.select_bits``).
+the backward's exp sweep, and in the forward's sweep that also takes the row max (``_add_pse``). Dropout bits
+become a row's keep factors sixteen at a time (``numeric.select_bits``).
 Subnormals (below 2**-126) are flushed to zero (``numeric.flush_denormals``: results, and inputs read as zero) in
 the forward's P V product, in the backward's tile sweep unless it computes dpse, and in the backward's products
 that take P and dS (``_backward_visible_tile``). Far from the diagonal of a generated alibi, P runs to the end of
@@ -201,8 +203,8 @@ class SequenceTable(NamedTuple):
 
     rows: np.ndarray  # int64 [S, 6]: q0, q1, k0, k1, the first packed key block, the backward's batch tasks
     ints: np.ndarray  # int64 [S, len(_PLAN_INTS)]
-    arrays: np.ndarray  # int64 [S, len(_PLAN_ARRAYS) + 2, 1 + _MAX_RANK]: address and shape of the plan's arrays,
-    # then of the backward's dQ slices and dpse target
+    arrays: np.ndarray  # int64 [S, len(_PLAN_ARRAYS) + extras, 1 + _MAX_RANK]: address and shape of the plan's
+    # arrays, then of the backward's dQ slices, their written flags and dpse target
 
 
 class Tile(NamedTuple):
@@ -265,9 +267,11 @@ class BackwardOperands(NamedTuple):
 
 class Gradients(NamedTuple):
     """The backward's outputs: fp32 dQ slices ``[chunks, B, N1, Sq, D + Dr]`` (Dr = 0 without rope: columns D.. are
-    dQ_rope), dk, dv and dpse (or a placeholder); with rope dK_rope per kv head ``[B, N2, Skv, Dr]`` fp32."""
+    dQ_rope) and which of their row groups hold sums, dk, dv and dpse (or a placeholder); with rope dK_rope per kv
+    head ``[B, N2, Skv, Dr]`` fp32."""
 
-    dq_acc: np.ndarray
+    dq_acc: np.ndarray  # not zeroed: a group of _EDGE_ROWS rows is written by its first dQ product (:func:`_dq_adds`)
+    dq_written: np.ndarray  # uint8 [chunks, B, N1, ceil(Sq / _EDGE_ROWS)]: 1 where that group of dq_acc was written
     dk: np.ndarray
     dv: np.ndarray
     dpse: np.ndarray
@@ -1088,9 +1092,10 @@ def _per_packed(q, packed):
 
 
 @njit(inline="always")
-def _gradient_gemms(ops, tile, queries, keys, on_brgemm, work, dq_ptr):
-    """dV^T += dY^T Pd, dK^T += Q^T dS (fp32 ``[D, BK]`` accumulators work.dvt / work.dkt) and dQ += dS K (fp32 at
-    dq_ptr, row stride D), Q and K as in :func:`_score_gemms` (with rope dK^T and dQ have D + Dr rows / columns).
+def _gradient_gemms(ops, tile, queries, keys, on_brgemm, work, dq_ptr, dq_adds):
+    """dV^T += dY^T Pd, dK^T += Q^T dS (fp32 ``[D, BK]`` accumulators work.dvt / work.dkt) and dQ (+)= dS K (fp32 at
+    dq_ptr, row stride D; ``dq_adds`` False: written), Q and K as in :func:`_score_gemms` (with rope dK^T and dQ
+    have D + Dr rows / columns).
 
     On the brgemm the A operands dY^T and Q^T (Q_rope^T) come from the transposed copies ``ops.dyt``, ``ops.qt``
     (``ops.qrt``); bfloat16 Pd, dS are packed (:func:`_tile_operand`) and K comes packed by :func:`_pack_key_block`."""
@@ -1110,11 +1115,12 @@ def _gradient_gemms(ops, tile, queries, keys, on_brgemm, work, dq_ptr):
         if ops.rope:  # dK_rope^T into the trailing rows of work.dkt
             brgemm(q, dqk - D, cols, rows, _columns(ops.qrt, b, n, i0), ds_operand,
                    (dkt.ctypes.data + D * dkt.strides[0], dkt.shape[1]), True)
-        brgemm(q, rows, dqk, cols, _scratch(dst), _rows_operand(y, kb, kn, kj, work.k_pairs.ctypes.data), dq, True)
+        brgemm(q, rows, dqk, cols, _scratch(dst), _rows_operand(y, kb, kn, kj, work.k_pairs.ctypes.data), dq,
+               dq_adds)
     else:
         gemm(q, TRANS, NO_TRANS, Dv, cols, rows, _matrix(dy, b, n, i0), _scratch(pt), _scratch(dvt), True)
         gemm(q, TRANS, NO_TRANS, dqk, cols, rows, _matrix(x, qb, qn, qi), _scratch(dst), _scratch(dkt), True)
-        gemm(q, NO_TRANS, NO_TRANS, rows, dqk, cols, _scratch(dst), _matrix(y, kb, kn, kj), dq, True)
+        gemm(q, NO_TRANS, NO_TRANS, rows, dqk, cols, _scratch(dst), _matrix(y, kb, kn, kj), dq, dq_adds)
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
@@ -1173,11 +1179,28 @@ def _backward_visible_tile(ops, plan, grads, work, keys, packed, tile, n2, chunk
     _backward_tile(work, tile, plan.has_mask or kind != _INSIDE, plan, ops, grads.dpse)
     if plan.dpse:
         mode = flush_denormals()
-    dq_acc = grads.dq_acc
-    N1, Sq = ops.q.shape[1], ops.q.shape[2]
-    dq_ptr = dq_acc.ctypes.data + (((chunk * dq_acc.shape[1] + b) * N1 + n) * Sq + i0) * dq_acc.shape[4] * 4
-    _gradient_gemms(ops, tile, queries, keys, on_brgemm, work, dq_ptr)
+    dq_ptr = _accumulator_row(grads.dq_acc, chunk, b, n, i0).ctypes.data
+    _gradient_gemms(ops, tile, queries, keys, on_brgemm, work, dq_ptr, _dq_adds(grads, chunk, b, n, i0, rows))
     restore_float_mode(mode)
+
+
+@njit(inline="always")
+def _dq_adds(grads, chunk, b, n, i0, rows):
+    """Whether the dQ product of query rows [i0, i0 + rows) of (b, n) adds into ``grads.dq_acc[chunk]`` (True) or
+    writes it (False: no group of _EDGE_ROWS rows it covers holds a sum yet). A tile that covers written and unwritten
+    groups zeroes the unwritten ones' rows first. Marks the groups written."""
+    written = grads.dq_written
+    g0, g1 = i0 // _EDGE_ROWS, (i0 + rows - 1) // _EDGE_ROWS + 1
+    count = 0
+    for g in range(g0, g1):
+        count += written[chunk, b, n, g]
+    if count < g1 - g0 and count > 0:
+        for g in range(g0, g1):
+            if written[chunk, b, n, g] == 0:
+                for i in range(max(g * _EDGE_ROWS, i0), min((g + 1) * _EDGE_ROWS, i0 + rows)):
+                    _accumulator_row(grads.dq_acc, chunk, b, n, i)[:] = 0.0
+    written[chunk, b, n, g0:g1] = 1
+    return count > 0
 
 
 @njit(inline="always")
@@ -1213,11 +1236,13 @@ def _backward_operands(ops, table, s):
 
 @njit(inline="always")
 def _sequence_gradients(grads, table, s):
-    """Sequence s's :class:`Gradients`: views of its key rows, its dQ slices and dpse target from the table."""
+    """Sequence s's :class:`Gradients`: views of its key rows, its dQ slices, their written flags and dpse target
+    from the table."""
     k0, k1 = table.rows[s, 2], table.rows[s, 3]
     arrays = table.arrays[s]
-    return Gradients(_table_array(grads.dq_acc, arrays[4]), grads.dk[:, :, k0:k1], grads.dv[:, :, k0:k1],
-                     _table_array(grads.dpse, arrays[5]), grads.dkr[:, :, k0:k1])
+    return Gradients(_table_array(grads.dq_acc, arrays[4]), _table_array(grads.dq_written, arrays[5]),
+                     grads.dk[:, :, k0:k1], grads.dv[:, :, k0:k1], _table_array(grads.dpse, arrays[6]),
+                     grads.dkr[:, :, k0:k1])
 
 
 @njit(inline="always")
@@ -1286,19 +1311,27 @@ def _accumulator_row(dq_acc, c, b, n, i):
 
 
 @njit(**_KERNEL)
-def _finish_dq_kernel(dq_acc, scale, dq, dq_rope):
+def _finish_dq_kernel(dq_acc, written, scale, dq, dq_rope):
     """dq = scale * sum over chunks (in chunk order) of dq_acc's first D columns, dq_rope (with rope: its trailing
-    columns; else a placeholder) from the others, each rounded once to its dtype. The sums are taken in place in
-    slice 0, vectorised along the row."""
+    columns; else a placeholder) from the others, each rounded once to its dtype; a chunk whose row group was not
+    written (``written``, :class:`Gradients`) adds nothing. The sums are taken in place in the first written slice,
+    vectorised along the row; a row no chunk wrote is 0."""
     chunks, B, N, S, W = dq_acc.shape
     D = dq.shape[3]
     for row in prange(B * N * S):
         b, n, i = _row_index(row, dq)
-        total = _accumulator_row(dq_acc, 0, b, n, i)
-        for c in range(1, chunks):
-            part = _accumulator_row(dq_acc, c, b, n, i)
-            for d in range(W):
-                total[d] += part[d]
+        g = i // _EDGE_ROWS
+        first = 0
+        while first < chunks and written[first, b, n, g] == 0:
+            first += 1
+        total = _accumulator_row(dq_acc, min(first, chunks - 1), b, n, i)
+        if first == chunks:  # no chunk wrote the row (every tile of it skipped): its dQ is 0
+            total[:] = 0.0
+        for c in range(first + 1, chunks):
+            if written[c, b, n, g] != 0:
+                part = _accumulator_row(dq_acc, c, b, n, i)
+                for d in range(W):
+                    total[d] += part[d]
         dqr = row_view(dq, b, n, i)
         for d in range(D):
             dqr[d] = narrow(total[d] * scale, dq)
@@ -1368,7 +1401,7 @@ def _sequence_table(sequences: list[Sequence], kplans: list[KernelPlan], key_blo
                     extra: tuple[list[np.ndarray], ...] = (), batch_tasks: list[int] | None = None) -> SequenceTable:
     """The :class:`SequenceTable` of ``sequences`` and their kernel plans; key blocks of ``key_block`` keys are
     counted over all sequences (the forward's packed K / V); ``extra``: per-sequence arrays after the plan's (the
-    backward's dQ slices and dpse target)."""
+    backward's dQ slices, their written flags and dpse target)."""
     count = len(sequences)
     rows = np.zeros((count, 6), np.int64)
     rows[:, :4] = [seq[:4] for seq in sequences]
@@ -1376,7 +1409,7 @@ def _sequence_table(sequences: list[Sequence], kplans: list[KernelPlan], key_blo
     rows[:, 4] = np.cumsum(blocks) - blocks
     rows[:, 5] = batch_tasks or 0
     ints = np.array([[int(getattr(p, f)) for f in _PLAN_INTS] for p in kplans], np.int64).reshape(count, -1)
-    arrays = np.ones((count, len(_PLAN_ARRAYS) + 2, 1 + _MAX_RANK), np.int64)
+    arrays = np.ones((count, len(_PLAN_ARRAYS) + len(extra), 1 + _MAX_RANK), np.int64)
     for s, p in enumerate(kplans):
         for f, a in enumerate([getattr(p, name) for name in _PLAN_ARRAYS] + [e[s] for e in extra]):
             arrays[s, f, 0] = a.ctypes.data
@@ -1564,14 +1597,16 @@ def _backward_split(seq: Sequence, b: int, n2: int, dpse: bool) -> tuple[int, in
     return batch_tasks, 1 if single_chunk else backward_chunks(batch_tasks * n2, seq.k1 - seq.k0)
 
 
-def _dq_slices(shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
-    """Zeroed fp32 dQ slices of these shapes, C-contiguous, one after the other in one buffer from
-    :func:`.tensor_view.new_output` (a large one reuses the pages of the previous call's: fresh pages would
-    each cost a fault, and a varlen launch holds the slices of all its batches at once)."""
+def _dq_slices(shapes: list[tuple[int, ...]]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """fp32 dQ slices of these shapes ``[chunks, B, N1, Sq, W]``, C-contiguous, one after the other in one buffer
+    from :func:`.tensor_view.new_output` (a large one reuses the pages of the previous call's: fresh pages would
+    each cost a fault, and a varlen launch holds the slices of all its batches at once), not zeroed; and their
+    zeroed written flags (:class:`Gradients`)."""
     sizes = [math.prod(shape) for shape in shapes]
-    flat = new_output((sum(sizes),), torch.float32).zero_().numpy()
+    flat = new_output((sum(sizes),), torch.float32).numpy()
     starts = np.cumsum(sizes) - sizes
-    return [flat[a:a + n].reshape(shape) for a, n, shape in zip(starts, sizes, shapes)]
+    return ([flat[a:a + n].reshape(shape) for a, n, shape in zip(starts, sizes, shapes)],
+            [np.zeros((*shape[:3], -(-shape[3] // _EDGE_ROWS)), np.uint8) for shape in shapes])
 
 
 def _key_block_costs(seq: Sequence) -> np.ndarray:
@@ -1665,18 +1700,19 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
                                 dr, packed, qr, kr, has_rope, qrt)
     splits = [_backward_split(seq, B, N2, want_dpse) for seq in sequences]
     width = D + (qr.shape[3] if has_rope else 0)
-    dq_accs = _dq_slices([(chunks, B, N1, seq.q1 - seq.q0, width) for seq, (_, chunks) in zip(sequences, splits)])
+    dq_accs, dq_written = _dq_slices([(chunks, B, N1, seq.q1 - seq.q0, width)
+                                      for seq, (_, chunks) in zip(sequences, splits)])
     dpse = _dpse_targets(sequences, B) if want_dpse else [(None, np.zeros((1, 1, 1, 1), np.float32))] * len(sequences)
     dkr = np.empty((B, N2, Skv, width - D) if has_rope else (1, 1, 1, 1), np.float32)
-    table = _sequence_table(sequences, kplans, _BK, (dq_accs, [a for _, a in dpse]),
+    table = _sequence_table(sequences, kplans, _BK, (dq_accs, dq_written, [a for _, a in dpse]),
                             [batch_tasks for batch_tasks, _ in splits])
-    grads = Gradients(dq_accs[0], kernel_view(dk), kernel_view(dv), dpse[0][1], dkr)
+    grads = Gradients(dq_accs[0], dq_written[0], kernel_view(dk), kernel_view(dv), dpse[0][1], dkr)
     launch_strided(_backward_kernel, operands, kplans[0], grads, _pack_like(q), table,
                    _backward_tasks(sequences, splits, N2), kernel_threads(), exact=(1, 3, 4, 5))
     dq_rope, dk_rope = _rope_outputs(rope, rope_into) if has_rope else (None, None)
-    for seq, dq_acc in zip(sequences, dq_accs):
+    for seq, dq_acc, written in zip(sequences, dq_accs, dq_written):
         rows = slice(seq.q0, seq.q1)
-        _finish_dq_kernel(dq_acc, kplans[0].scale, kernel_view(dq[:, :, rows]),
+        _finish_dq_kernel(dq_acc, written, kplans[0].scale, kernel_view(dq[:, :, rows]),
                           kernel_view(dq_rope[:, :, rows] if has_rope else dq[:1, :1, :1]))
         if has_rope:
             keys = slice(seq.k0, seq.k1)
