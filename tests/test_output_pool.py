@@ -12,7 +12,7 @@ import attngrad
 from attngrad.kernels import tensor_view
 from attngrad.kernels.tensor_view import OutputPool, new_output, output_pool
 
-BIG = (8, 512, 1024)  # 8 MiB in bfloat16: the smallest pooled size
+BIG = (8, 512, 1024)  # 8 MiB in bfloat16
 
 
 def test_freed_block_is_reused():
@@ -25,6 +25,18 @@ def test_freed_block_is_reused():
     assert b.data_ptr() == address
     c = new_output((4, 1024, 1024), torch.float32)  # same block size, other shape and dtype: a block of its own
     assert c.data_ptr() != address
+
+
+def test_outputs_from_one_mib_up_are_pooled():
+    """From 1 MiB up an output comes from the pool and goes back to it; smaller ones are torch's own."""
+    before = output_pool.free_bytes
+    small = new_output(((1 << 20) - 1,), torch.uint8)
+    del small
+    assert output_pool.free_bytes == before
+    pooled = new_output((1 << 18,), torch.float32)
+    assert pooled.data_ptr() % (2 << 20) == 0
+    del pooled
+    assert output_pool.free_bytes == before + (2 << 20)
 
 
 def test_live_view_keeps_the_block():
@@ -80,3 +92,27 @@ def test_pooled_softmax_equals_unpooled(monkeypatch):
     y_plain, dx_plain = run()
     assert torch.equal(y_again, y_plain) and torch.equal(dx_again, dx_plain)
     assert torch.equal(dx, dx_plain)
+
+
+def test_flash_attention_outputs_are_pooled(monkeypatch):
+    """The forward's output and the grads (1 MiB each here) come from the pool and go back to it when freed, and
+    the results equal those on torch's own memory."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v, dy = (torch.randn(1, 4, 1024, 128, generator=gen).to(torch.bfloat16) for _ in range(4))
+
+    def run():
+        out, smax, ssum = attngrad.flash_attention_score(q, k, v, 4, "BNSD", scale_value=0.1)
+        grads = attngrad.flash_attention_score_grad(q, k, v, dy, 4, "BNSD", scale_value=0.1, softmax_max=smax,
+                                                     softmax_sum=ssum, attention_in=out)
+        return out, grads[:3]
+
+    monkeypatch.setattr(output_pool, "limit", 1 << 40)  # no block released while this test counts them
+    out, grads = run()
+    assert all(t.data_ptr() % (2 << 20) == 0 for t in (out, *grads))
+    before = output_pool.free_bytes
+    expected = (out.detach().clone(), *(g.clone() for g in grads))
+    del out, grads
+    assert output_pool.free_bytes == before + 4 * (2 << 20)  # the four 1 MiB outputs' blocks went back
+    monkeypatch.setattr(output_pool, "limit", 0)
+    out_plain, grads_plain = run()
+    assert all(torch.equal(a, b) for a, b in zip(expected, (out_plain, *grads_plain)))

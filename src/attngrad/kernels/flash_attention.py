@@ -1514,9 +1514,9 @@ def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=
     B, N1, Sq, _ = q.shape
     in_place = sequences is not None
     sequences = sequences or [Sequence(0, Sq, 0, k.shape[2], plan)]
-    out = torch.empty(B, N1, Sq, v.shape[3], dtype=q.dtype) if out is None else _unit_rows(out)
-    smax = torch.empty(B, N1, Sq, dtype=torch.float32) if softmax_max is None else softmax_max
-    ssum = torch.empty(B, N1, Sq, dtype=torch.float32) if softmax_sum is None else softmax_sum
+    out = new_output((B, N1, Sq, v.shape[3]), q.dtype) if out is None else _unit_rows(out)
+    smax = new_output((B, N1, Sq), torch.float32) if softmax_max is None else softmax_max
+    ssum = new_output((B, N1, Sq), torch.float32) if softmax_sum is None else softmax_sum
     kplans = [_kernel_plan(seq.plan, q, seq.q1 - seq.q0, seq.k1 - seq.k0) for seq in sequences]
     table = _sequence_table(sequences, kplans, _FWD_BK)
     q, k, v = _widened(plan, q, k, v)
@@ -1691,7 +1691,7 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     qv, dyv = _view(q, in_place), _view(dy, in_place)
     dr = np.empty((B, N1, Sq), np.float32)
     _row_dot_kernel(dyv, _view(out, in_place), dr)
-    dq, dk, dv = (torch.empty(like.shape, dtype=dtype) if t is None else _unit_rows(t)
+    dq, dk, dv = (new_output(like.shape, dtype) if t is None else _unit_rows(t)
                   for t, like in ((dq, q), (dk, k), (dv, v)))
     smax, ssum = (_view(t.detach().float(), in_place) for t in (softmax_max, softmax_sum))
     qr, kr, has_rope = _rope_views(q, rope_operands, in_place)
@@ -1737,7 +1737,7 @@ def _rope_outputs(rope: tuple, into: tuple | None) -> tuple[torch.Tensor, torch.
     """(dq_rope, dk_rope): ``into`` (unit-stride rows) or new tensors shaped and typed like (q_rope, k_rope)."""
     if into:
         return _unit_rows(into[0]), into[1]
-    return tuple(torch.empty(t.shape, dtype=t.dtype) for t in rope)
+    return tuple(new_output(t.shape, t.dtype) for t in rope)
 
 
 def _kv_head_sum(dkr: torch.Tensor, heads: int) -> torch.Tensor:

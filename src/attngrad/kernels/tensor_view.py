@@ -41,7 +41,7 @@ def unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
-_POOLED_BYTES = 4 * _HUGE_PAGE  # outputs from this size up come from the pool (and are advised huge pages)
+_POOLED_BYTES = _HUGE_PAGE // 2  # outputs from this size up come from the pool (and are advised huge pages)
 
 
 def _load_madvise():
@@ -151,7 +151,7 @@ output_pool = OutputPool(_pool_limit())
 
 def new_output(shape, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised C-contiguous output tensor for a memory-bound kernel: from :data:`output_pool` when it
-    is large (8 MiB or more, while the pool is on), else from torch."""
+    is large (1 MiB or more, while the pool is on), else from torch."""
     if output_pool.limit and math.prod(shape) * dtype.itemsize >= _POOLED_BYTES:
         return output_pool.tensor(shape, dtype)
     return torch.empty(shape, dtype=dtype)
