@@ -41,7 +41,8 @@ def unit_stride_rows(t: torch.Tensor) -> torch.Tensor:
 
 _HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14
-_POOLED_BYTES = _HUGE_PAGE // 2  # outputs from this size up come from the pool (and are advised huge pages)
+_POOLED_BYTES = 1 << 20  # outputs from this size up come from the pool (and are advised huge pages): torch.empty
+# of 1-16 MiB returned fresh pages on most calls (docs/performance.md, 'Flash attention outputs from the pool')
 
 
 def _load_madvise():
