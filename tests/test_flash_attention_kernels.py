@@ -7,7 +7,6 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from numba import njit
 
 from attngrad.kernels import flash_attention

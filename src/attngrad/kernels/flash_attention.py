@@ -1194,7 +1194,7 @@ def _dq_adds(grads, chunk, b, n, i0, rows):
     count = 0
     for g in range(g0, g1):
         count += written[chunk, b, n, g]
-    if count < g1 - g0 and count > 0:
+    if 0 < count < g1 - g0:
         for g in range(g0, g1):
             if written[chunk, b, n, g] == 0:
                 for i in range(max(g * _EDGE_ROWS, i0), min((g + 1) * _EDGE_ROWS, i0 + rows)):
