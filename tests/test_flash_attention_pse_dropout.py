@@ -60,16 +60,33 @@ def rand(*shape, dtype=torch.float32, seed=5):
 PSE_SHAPES = ["BN1S", "BNSS", "1NSS"]
 
 
+def pse_dims(shape, sq, skv):
+    return {"BN1S": (B, N1, 1, skv), "BNSS": (B, N1, sq, skv), "1NSS": (1, N1, sq, skv)}[shape]
+
+
 @pytest.mark.parametrize("pse_type", [0, 1])
 @pytest.mark.parametrize("shape", PSE_SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_external_pse_shapes_and_dpse(pse_type, shape, dtype):
     sq, skv = 270, 300
-    dims = {"BN1S": (B, N1, 1, skv), "BNSS": (B, N1, sq, skv), "1NSS": (1, N1, sq, skv)}[shape]
     layout = LAYOUTS[(len(shape) + pse_type) % 4]
     mask = torch.rand(sq, skv, generator=torch.Generator().manual_seed(3)) < 0.1
-    check(layout, dtype, sq, skv, pse=rand(*dims, dtype=dtype), pse_type=pse_type, atten_mask=mask,
-          pre_tokens=200, next_tokens=30)
+    check(layout, dtype, sq, skv, pse=rand(*pse_dims(shape, sq, skv), dtype=dtype), pse_type=pse_type,
+          atten_mask=mask, pre_tokens=200, next_tokens=30)
+
+
+@pytest.mark.parametrize("pse_type", [0, 1])
+@pytest.mark.parametrize("shape", PSE_SHAPES)
+def test_external_pse_without_a_mask(pse_type, shape):
+    """No mask to test on any tile: the backward forms the logits with the pse inside its exp sweep (pse_type 1
+    with dropout)."""
+    sq, skv = 270, 300
+    dtype = DTYPES[(PSE_SHAPES.index(shape) + pse_type) % 3]
+    drop = torch.randint(0, 256, (B * N1 * sq * skv // 8 + 1,), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(4))
+    dropout = dict(keep_prob=0.8, drop_mask=drop) if pse_type else {}
+    pse = rand(*pse_dims(shape, sq, skv), dtype=dtype)
+    check(LAYOUTS[(shape.count("S") + pse_type) % 4], dtype, sq, skv, pse=pse, pse_type=pse_type, **dropout)
 
 
 @pytest.mark.parametrize("pse_type", [0, 1])

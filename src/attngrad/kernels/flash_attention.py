@@ -425,6 +425,17 @@ def _alibi_terms(tile, plan):
     return out
 
 
+@njit(inline="always")
+def _dense_pse_row(tile, r, plan):
+    """The keys' part of a dense pse row for row r of the tile (``[Bp, N1, Sp, Skv]``, broadcast over b and rows
+    of size 1), its row ``_ROWS_AHEAD`` further down prefetched."""
+    b, n, i0, _, j0, cols = tile
+    pse = plan.pse
+    bp, row = (b if pse.shape[0] > 1 else 0), (i0 + r if pse.shape[2] > 1 else 0)
+    _prefetch_row_part(pse, bp, n, row, j0, cols)
+    return _row_part(pse, bp, n, row, j0, cols)
+
+
 @njit(inline="always", fastmath=FASTMATH)
 def _add_pse(s, r, tile, plan, alibi):
     """Row r of the tile: raw QK^T -> ``QK^T * scale`` with the pse term of pse_type 0-3, in place; returns the
@@ -449,19 +460,17 @@ def _add_pse(s, r, tile, plan, alibi):
             s[r, c] = s[r, c] * scale + terms[c]
             top = fmaximum(top, s[r, c])
         return top
-    bp = b if pse.shape[0] > 1 else 0
-    row, off, last = (i if pse.shape[2] > 1 else 0), 0, pse.shape[3] - 1
-    if kind == _PSE_COMPRESSED:
-        row, off = _compressed_source(i, plan.sq, pse.shape[2], pse.shape[3])
     first = plan.pse_first
     if kind == _PSE_DENSE:
-        _prefetch_row_part(pse, bp, n, row, j0, cols)
-        source = _row_part(pse, bp, n, row, j0, cols)
+        source = _dense_pse_row(tile, r, plan)
         for c in range(cols):
             x = widen(source[c])
             s[r, c] = (s[r, c] + x) * scale if first else s[r, c] * scale + x
             top = fmaximum(top, s[r, c])
         return top
+    bp = b if pse.shape[0] > 1 else 0
+    row, off = _compressed_source(i, plan.sq, pse.shape[2], pse.shape[3])
+    last = pse.shape[3] - 1
     source = row_view(pse, bp, n, row)
     for c in range(cols):
         x = widen(source[min(max(j0 + c + off, 0), last)])
@@ -953,14 +962,15 @@ def _backward_tile(work, tile, general, plan, ops, dpse):
     """work.s holds QK^T, work.dp dY V^T: P = exp(S - max) * (1 / sum); Pd = P M / keep_prob -> work.pt and
     dS = P (dP M / keep_prob - Dr) -> work.s (fp32) and work.dst (input dtype); with ``plan.dpse`` dS (times scale
     for pse_type 1) is added by :func:`_add_dpse_row`. Tiles without a mask to test keep s raw and form the logit
-    inside the exp sweep (scale, and a generated alibi's term: :func:`_alibi_terms`); the others get it from
+    inside the exp sweep (scale, and a dense pse's or a generated alibi's term: :func:`_dense_pse_row`,
+    :func:`_alibi_terms`); the others get it from
     :func:`_modify_scores`. Runs with subnormals flushed unless it computes dpse (:func:`_backward_visible_tile`)."""
     prefer_512_bit_vectors()
     s, dp, pt, dst = work.s, work.dp, work.pt, work.dst
     smax, ssum, dr = ops.smax, ops.ssum, ops.dr
     b, n, i0, rows, _, cols = tile
     alibi = _alibi_terms(tile, plan)
-    raw = not general and (plan.pse_kind == _PSE_NONE or alibi.size > 0)
+    raw = not general and (plan.pse_kind <= _PSE_DENSE or alibi.size > 0)
     scale = plan.scale if raw else np.float32(1.0)
     f = aligned_empty((cols,), np.float32)
     if not plan.dropout:
@@ -978,6 +988,12 @@ def _backward_tile(work, tile, general, plan, ops, dpse):
             terms = alibi[rows - 1 - r:]
             for c in range(cols):
                 _score_gradient(s, dp, pt, dst, r, c, s[r, c] * scale + terms[c], f[c], mr, inv_l, dri, plan)
+        elif raw and plan.pse_kind == _PSE_DENSE:
+            source = _dense_pse_row(tile, r, plan)
+            for c in range(cols):
+                x = widen(source[c])
+                z = (s[r, c] + x) * scale if plan.pse_first else s[r, c] * scale + x
+                _score_gradient(s, dp, pt, dst, r, c, z, f[c], mr, inv_l, dri, plan)
         elif plan.dropout:
             for c in range(cols):
                 _score_gradient(s, dp, pt, dst, r, c, s[r, c] * scale, f[c], mr, inv_l, dri, plan)
