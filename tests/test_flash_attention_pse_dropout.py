@@ -61,6 +61,7 @@ PSE_SHAPES = ["BN1S", "BNSS", "1NSS"]
 
 
 def pse_dims(shape, sq, skv):
+    """The dims of a dense pse of one of PSE_SHAPES."""
     return {"BN1S": (B, N1, 1, skv), "BNSS": (B, N1, sq, skv), "1NSS": (1, N1, sq, skv)}[shape]
 
 

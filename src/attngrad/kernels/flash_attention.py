@@ -963,14 +963,14 @@ def _backward_tile(work, tile, general, plan, ops, dpse):
     dS = P (dP M / keep_prob - Dr) -> work.s (fp32) and work.dst (input dtype); with ``plan.dpse`` dS (times scale
     for pse_type 1) is added by :func:`_add_dpse_row`. Tiles without a mask to test keep s raw and form the logit
     inside the exp sweep (scale, and a dense pse's or a generated alibi's term: :func:`_dense_pse_row`,
-    :func:`_alibi_terms`); the others get it from
-    :func:`_modify_scores`. Runs with subnormals flushed unless it computes dpse (:func:`_backward_visible_tile`)."""
+    :func:`_alibi_terms`); the others get it from :func:`_modify_scores`. Runs with subnormals flushed unless it
+    computes dpse (:func:`_backward_visible_tile`)."""
     prefer_512_bit_vectors()
     s, dp, pt, dst = work.s, work.dp, work.pt, work.dst
     smax, ssum, dr = ops.smax, ops.ssum, ops.dr
     b, n, i0, rows, _, cols = tile
     alibi = _alibi_terms(tile, plan)
-    raw = not general and (plan.pse_kind <= _PSE_DENSE or alibi.size > 0)
+    raw = not general and (plan.pse_kind == _PSE_NONE or plan.pse_kind == _PSE_DENSE or alibi.size > 0)
     scale = plan.scale if raw else np.float32(1.0)
     f = aligned_empty((cols,), np.float32)
     if not plan.dropout:
