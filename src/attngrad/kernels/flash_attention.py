@@ -437,6 +437,13 @@ def _dense_pse_row(tile, r, plan):
 
 
 @njit(inline="always", fastmath=FASTMATH)
+def _pse_logit(score, x, scale, first):
+    """The logit of raw score QK^T with the stored pse term x: ``(QK^T + pse) * scale`` for pse_type 1 (``first``),
+    else ``QK^T * scale + pse``."""
+    return (score + x) * scale if first else score * scale + x
+
+
+@njit(inline="always", fastmath=FASTMATH)
 def _add_pse(s, r, tile, plan, alibi):
     """Row r of the tile: raw QK^T -> ``QK^T * scale`` with the pse term of pse_type 0-3, in place; returns the
     max of the row's new values (``fmaximum``), which the forward takes from this sweep on tiles without a mask
@@ -465,7 +472,7 @@ def _add_pse(s, r, tile, plan, alibi):
         source = _dense_pse_row(tile, r, plan)
         for c in range(cols):
             x = widen(source[c])
-            s[r, c] = (s[r, c] + x) * scale if first else s[r, c] * scale + x
+            s[r, c] = _pse_logit(s[r, c], x, scale, first)
             top = fmaximum(top, s[r, c])
         return top
     bp = b if pse.shape[0] > 1 else 0
@@ -474,7 +481,7 @@ def _add_pse(s, r, tile, plan, alibi):
     source = row_view(pse, bp, n, row)
     for c in range(cols):
         x = widen(source[min(max(j0 + c + off, 0), last)])
-        s[r, c] = (s[r, c] + x) * scale if first else s[r, c] * scale + x
+        s[r, c] = _pse_logit(s[r, c], x, scale, first)
         top = fmaximum(top, s[r, c])
     return top
 
@@ -970,7 +977,7 @@ def _backward_tile(work, tile, general, plan, ops, dpse):
     smax, ssum, dr = ops.smax, ops.ssum, ops.dr
     b, n, i0, rows, _, cols = tile
     alibi = _alibi_terms(tile, plan)
-    raw = not general and (plan.pse_kind == _PSE_NONE or plan.pse_kind == _PSE_DENSE or alibi.size > 0)
+    raw = not general and plan.pse_kind != _PSE_COMPRESSED
     scale = plan.scale if raw else np.float32(1.0)
     f = aligned_empty((cols,), np.float32)
     if not plan.dropout:
@@ -991,8 +998,7 @@ def _backward_tile(work, tile, general, plan, ops, dpse):
         elif raw and plan.pse_kind == _PSE_DENSE:
             source = _dense_pse_row(tile, r, plan)
             for c in range(cols):
-                x = widen(source[c])
-                z = (s[r, c] + x) * scale if plan.pse_first else s[r, c] * scale + x
+                z = _pse_logit(s[r, c], widen(source[c]), scale, plan.pse_first)
                 _score_gradient(s, dp, pt, dst, r, c, z, f[c], mr, inv_l, dri, plan)
         elif plan.dropout:
             for c in range(cols):
