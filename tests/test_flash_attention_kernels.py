@@ -218,12 +218,15 @@ def test_strided_views_and_preallocated_outputs_match_contiguous(dtype, n1, n2, 
 def test_transposed_copy_of_strided_and_contiguous_inputs(dtype, s, d):
     """The backward's transposed copies (whole 16-blocks and edge blocks) equal torch's transpose bit for bit, from
     a TND-like strided view, from a contiguous tensor and from one whose rows are not unit-stride (element by
-    element)."""
+    element); two parts (``[Q | Q_rope]^T``) stack along the head dim."""
     tnd = torch.randn(s, 3, d).to(dtype)
     column_major = torch.randn(1, 3, d, s).to(dtype).transpose(-1, -2)
     for t in (tnd.transpose(0, 1).unsqueeze(0), tnd.transpose(0, 1).unsqueeze(0).contiguous(), column_major):
-        got = torch.from_numpy(_transposed(t, True, t)).view(dtype)
+        got = torch.from_numpy(_transposed((t,), True, t)).view(dtype)
         assert got.shape == (1, 3, d, s) and torch.equal(got, t.transpose(-1, -2))
+        tail = torch.randn(1, 3, s, d // 2 + 1).to(dtype)
+        got = torch.from_numpy(_transposed((t, tail), True, t)).view(dtype)
+        assert torch.equal(got, torch.cat([t, tail], -1).transpose(-1, -2))
 
 
 @njit

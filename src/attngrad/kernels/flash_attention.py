@@ -26,7 +26,8 @@ float32. Query head n reads kv head ``n // G`` with ``G = N1 // N2``. The math (
   (:func:`_add_rope_scores`); on the brgemm, with K_rope^T packed after K^T, the tile's one score product takes
   the task's ``[Q | Q_rope]`` rows (copied once per query block, :func:`_packed_rope`); on MKL
   the backward concatenates a tile's worth of rows (:func:`_key_rows`, :func:`_query_rows`: never the whole
-  sequence) and runs the plain path's five GEMMs on them, on the brgemm it adds the rope parts by extra calls;
+  sequence) and runs the plain path's five GEMMs on them; on the brgemm the dK^T product reads a ``[Q | Q_rope]^T``
+  copy made once per call, the score product adds the rope part by a second call;
   dQ and dK accumulators of width D + Dr are split when written out (a shared k_rope head gets the per-kv-head
   dk_rope summed afterwards);
 * sink (optional, ``plan.sink`` float32 [N1]): the forward's running max starts at ``sink[n]`` and its sum at 1
@@ -246,8 +247,8 @@ class ForwardScratch(NamedTuple):
 
 
 class BackwardOperands(NamedTuple):
-    """q, k, v, dy (kernel views), the Q^T / dY^T (/ Q_rope^T) copies ``[B, N1, D, Sq]`` of the brgemm path
-    (``packed``), the given softmax stats and ``dr = rowsum(dy * out)`` ``[B, N1, Sq]`` fp32."""
+    """q, k, v, dy (kernel views), the copies ``[Q | Q_rope]^T`` ``[B, N1, D + Dr, Sq]`` and dY^T ``[B, N1, Dv, Sq]``
+    of the brgemm path (``packed``), the given softmax stats and ``dr = rowsum(dy * out)`` ``[B, N1, Sq]`` fp32."""
 
     q: np.ndarray
     k: np.ndarray
@@ -262,7 +263,6 @@ class BackwardOperands(NamedTuple):
     qr: np.ndarray  # the rope parts, as in :class:`ForwardOperands`
     kr: np.ndarray
     rope: bool
-    qrt: np.ndarray  # Q_rope^T ``[B, N1, Dr, Sq]`` (rope on the brgemm)
 
 
 class Gradients(NamedTuple):
@@ -947,7 +947,7 @@ def _row_dot_kernel(dy, out, dr):
 
 @njit(**_KERNEL)
 def _transpose_kernel(x, out):
-    """out[b, n, d, s] = x[b, n, s, d] (out C-contiguous; x any strides), in tasks of ``stripe`` rows of one
+    """out[b, n, d, s] = x[b, n, s, d] (out: unit-stride rows; x any strides), in tasks of ``stripe`` rows of one
     (b, n): by :func:`.numeric.transpose_matrix` where x's rows are unit-stride, else element by element."""
     B, N, S, D = x.shape
     stripe = 4 * TRANSPOSE_BLOCK
@@ -1065,9 +1065,9 @@ def _key_rows(ops, work, b, n2, j0, cols):
 @njit(inline="always")
 def _query_rows(ops, work, tile, on_brgemm):
     """``(x, b, n, i)``: the tile's query rows as :func:`_key_rows` gives the keys: q itself, or with rope on MKL
-    the tile's ``[Q | Q_rope]`` rows copied into work.qq. The brgemm takes the rope part by separate calls on
-    operands packed or copied once (:func:`_score_gemms`, :func:`_gradient_gemms`), where a per-tile copy, and
-    the transposed one its dK^T needs, would cost more than the calls."""
+    the tile's ``[Q | Q_rope]`` rows copied into work.qq. The brgemm reads operands packed or copied once instead
+    (:func:`_score_gemms`: a second call adds the rope scores; :func:`_gradient_gemms`: ``[Q | Q_rope]^T``), where a
+    per-tile copy, and the transposed one its dK^T needs, would cost more than the call."""
     b, n, i0, rows, _, _ = tile
     if not ops.rope or on_brgemm:
         return ops.q, b, n, i0
@@ -1119,8 +1119,8 @@ def _gradient_gemms(ops, tile, queries, keys, on_brgemm, work, dq_ptr, dq_adds):
     dq_ptr, row stride D; ``dq_adds`` False: written), Q and K as in :func:`_score_gemms` (with rope dK^T and dQ
     have D + Dr rows / columns).
 
-    On the brgemm the A operands dY^T and Q^T (Q_rope^T) come from the transposed copies ``ops.dyt``, ``ops.qt``
-    (``ops.qrt``); bfloat16 Pd, dS are packed (:func:`_tile_operand`) and K comes packed by :func:`_pack_key_block`."""
+    On the brgemm the A operands dY^T and ``[Q | Q_rope]^T`` come from the transposed copies ``ops.dyt``, ``ops.qt``
+    (one dK^T product of depth D + Dr); bfloat16 Pd, dS are packed (:func:`_tile_operand`) and K comes packed by :func:`_pack_key_block`."""
     q, dy = ops.q, ops.dy
     b, n, i0, rows, _, cols = tile
     pt, dst, dkt, dvt = work.pt, work.dst, work.dkt, work.dvt
@@ -1131,12 +1131,8 @@ def _gradient_gemms(ops, tile, queries, keys, on_brgemm, work, dq_ptr, dq_adds):
     if on_brgemm:
         pd_operand = _tile_operand(pt, rows, cols, work.pt_pairs)
         ds_operand = _tile_operand(dst, rows, cols, work.dst_pairs)
-        D = q.shape[3]
         brgemm(q, Dv, cols, rows, _columns(ops.dyt, b, n, i0), pd_operand, _scratch(dvt), True)
-        brgemm(q, D, cols, rows, _columns(ops.qt, b, n, i0), ds_operand, _scratch(dkt), True)
-        if ops.rope:  # dK_rope^T into the trailing rows of work.dkt
-            brgemm(q, dqk - D, cols, rows, _columns(ops.qrt, b, n, i0), ds_operand,
-                   (dkt.ctypes.data + D * dkt.strides[0], dkt.shape[1]), True)
+        brgemm(q, dqk, cols, rows, _columns(ops.qt, b, n, i0), ds_operand, _scratch(dkt), True)
         brgemm(q, rows, dqk, cols, _scratch(dst), _rows_operand(y, kb, kn, kj, work.k_pairs.ctypes.data), dq,
                dq_adds)
     else:
@@ -1252,8 +1248,7 @@ def _backward_operands(ops, table, s):
     q0, q1, k0, k1 = table.rows[s, 0], table.rows[s, 1], table.rows[s, 2], table.rows[s, 3]
     return BackwardOperands(ops.q[:, :, q0:q1], ops.k[:, :, k0:k1], ops.v[:, :, k0:k1], ops.dy[:, :, q0:q1],
                             ops.qt[..., q0:q1], ops.dyt[..., q0:q1], ops.smax[:, :, q0:q1], ops.ssum[:, :, q0:q1],
-                            ops.dr[:, :, q0:q1], ops.packed, ops.qr[:, :, q0:q1], ops.kr[:, :, k0:k1], ops.rope,
-                            ops.qrt[..., q0:q1])
+                            ops.dr[:, :, q0:q1], ops.packed, ops.qr[:, :, q0:q1], ops.kr[:, :, k0:k1], ops.rope)
 
 
 @njit(inline="always")
@@ -1566,14 +1561,19 @@ def _widened(plan: AttentionPlan, *tensors: torch.Tensor) -> tuple[torch.Tensor,
     return tuple(new_output(t.shape, torch.float32).copy_(t) for t in tensors) if widen else tensors
 
 
-def _transposed(t: torch.Tensor | None, packed: bool, like: torch.Tensor) -> np.ndarray:
-    """t^T ``[B, N, D, S]`` (a contiguous copy): an A operand of the backward's dK (Q^T, Q_rope^T) and dV (dY^T)
-    brgemm (``packed``, :func:`_use_brgemm`), else a placeholder of like's type."""
-    if packed and t is not None:
-        out = kernel_view(new_output((*t.shape[:2], t.shape[3], t.shape[2]), t.dtype))
-        _transpose_kernel(kernel_view(t), out)
-        return out
-    return kernel_view(like.new_zeros(1, 1, 1, 1))
+def _transposed(parts: tuple, packed: bool, like: torch.Tensor) -> np.ndarray:
+    """``[t0 | t1 | ...]^T`` ``[B, N, D0 + D1 + ..., S]`` (a contiguous copy) of tensors ``[B, N, S, Di]``: an A
+    operand of the backward's dK (``[Q | Q_rope]^T``) and dV (dY^T) brgemm (``packed``, :func:`_use_brgemm`), else a
+    placeholder of like's type."""
+    if not packed:
+        return kernel_view(like.new_zeros(1, 1, 1, 1))
+    B, N, S = parts[0].shape[:3]
+    out = kernel_view(new_output((B, N, sum(t.shape[3] for t in parts), S), parts[0].dtype))
+    d0 = 0
+    for t in parts:
+        _transpose_kernel(kernel_view(t), out[:, :, d0:d0 + t.shape[3]])
+        d0 += t.shape[3]
+    return out
 
 
 def backward_chunks(batch_kv_heads: int, skv: int) -> int:
@@ -1717,9 +1717,9 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
                   for t, like in ((dq, q), (dk, k), (dv, v)))
     smax, ssum = (_view(t.detach().float(), in_place) for t in (softmax_max, softmax_sum))
     qr, kr, has_rope = _rope_views(q, rope_operands, in_place)
-    qrt = _transposed(rope_operands and rope_operands[0], packed, q)
-    operands = BackwardOperands(qv, kv, vv, dyv, _transposed(q, packed, q), _transposed(dy, packed, q), smax, ssum,
-                                dr, packed, qr, kr, has_rope, qrt)
+    qt = _transposed((q, rope_operands[0]) if rope_operands else (q,), packed, q)
+    operands = BackwardOperands(qv, kv, vv, dyv, qt, _transposed((dy,), packed, q), smax, ssum, dr, packed, qr, kr,
+                                has_rope)
     splits = [_backward_split(seq, B, N2, want_dpse) for seq in sequences]
     width = D + (qr.shape[3] if has_rope else 0)
     dq_accs, dq_written = _dq_slices([(chunks, B, N1, seq.q1 - seq.q0, width)
