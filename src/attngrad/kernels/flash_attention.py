@@ -1120,7 +1120,8 @@ def _gradient_gemms(ops, tile, queries, keys, on_brgemm, work, dq_ptr, dq_adds):
     have D + Dr rows / columns).
 
     On the brgemm the A operands dY^T and ``[Q | Q_rope]^T`` come from the transposed copies ``ops.dyt``, ``ops.qt``
-    (one dK^T product of depth D + Dr); bfloat16 Pd, dS are packed (:func:`_tile_operand`) and K comes packed by :func:`_pack_key_block`."""
+    (one dK^T product of depth D + Dr); bfloat16 Pd, dS are packed (:func:`_tile_operand`) and K comes packed by
+    :func:`_pack_key_block`."""
     q, dy = ops.q, ops.dy
     b, n, i0, rows, _, cols = tile
     pt, dst, dkt, dvt = work.pt, work.dst, work.dkt, work.dvt
