@@ -263,6 +263,23 @@ def test_time_case_interleaves_rounds_and_rates_against_the_copy_alongside():
     assert bench.time_case(gemm_case(), repeat=1).copy_gbps is None
 
 
+def test_compute_bound_cases_are_rated_against_their_roofline_scaled_by_the_tiles_alongside():
+    """A compute-bound case times the kernels' tile GEMM in its rounds (fp32 tiles for the fp32 roofline, else
+    the faster tiles of the run's start) and its roofline follows the machine: tiles at half their starting rate
+    halve it."""
+    fp32 = bench.BenchCase("ToyGemm", torch.float32, "S", {"ours": lambda: None}, flops=1e9, roofline="gemm_fp32")
+    assert bench.alongside_tiles(fp32, ROOFLINES) == torch.float32
+    assert bench.alongside_tiles(gemm_case(), ROOFLINES) == torch.bfloat16
+    assert bench.alongside_tiles(gemm_case(), {**ROOFLINES, "gemm_bf16_tiles_tflops": 0.2}) == torch.float32
+    assert bench.alongside_tiles(memory_case(), ROOFLINES) is None
+    result = bench.time_case(fp32, repeat=2, min_s=0.0, tiles=torch.float32)
+    assert result.tiles_roofline == "gemm_fp32_tiles_tflops" and 0 < result.tiles_tflops < float("inf")
+    halved = bench.BenchResult(gemm_case(), {"ours": 0.003, "peer": 0.001}, tiles_tflops=0.75,
+                               tiles_roofline="gemm_bf16_tiles_tflops").to_json(ROOFLINES)
+    assert halved["roofline_tflops"] == pytest.approx(1.0) and halved["fraction_of_gemm"] == pytest.approx(1.0)
+    assert halved["tiles_tflops_alongside"] == 0.75
+
+
 def test_time_case_evicts_the_caches_before_each_timed_call_of_a_memory_bound_case(monkeypatch):
     events = []
     monkeypatch.setattr(bench, "evict_caches", lambda: events.append("evict"))

@@ -5,7 +5,8 @@ kernels take: :mod:`attngrad.kernels.gemm_paths`). The machine's rooflines are m
 GEMM, bf16 GEMM native and on widened fp32, the kernels' own tile GEMM on all threads), then every case of
 the modules in ``benchmarks/`` (installed as ``attngrad.benchmarks``). Each case times several
 implementations of the same computation (best of N after warm-up) and reports the ratio of each peer's
-time to attngrad's, plus GB/s or TFLOP/s against the matching roofline. Results go to the terminal
+time to attngrad's, plus GB/s or TFLOP/s against the matching roofline (a copy, or the kernels' tile GEMM, timed
+in the same rounds tracks the machine's speed during the case). Results go to the terminal
 (a rich table: the ``cli`` extra), a JSON file and PNG plots (matplotlib: the ``plot`` extra). The method
 is described in docs/performance.md.
 
@@ -62,11 +63,15 @@ class BenchCase:
 
 @dataclass
 class BenchResult:
-    """Best times per implementation; ``copy_gbps``: a copy of the same bytes timed in the same rounds."""
+    """Best times per implementation; ``copy_gbps``: a copy of the same bytes timed in the same rounds;
+    ``tiles_tflops``: the kernels' tile GEMM timed in the same rounds, the one whose rate at the start of the run
+    is the rooflines' ``tiles_roofline`` entry."""
 
     case: BenchCase
     seconds: dict[str, float] = field(default_factory=dict)
     copy_gbps: float | None = None
+    tiles_tflops: float | None = None
+    tiles_roofline: str | None = None
 
     def to_json(self, rooflines: dict[str, float]) -> dict:
         c = self.case
@@ -82,8 +87,13 @@ class BenchResult:
             row["fraction_of_roofline"] = {k: v / copy for k, v in row["gbps"].items()}
             row["fraction_of_copy_bw"] = row["fraction_of_roofline"][ours]
         if c.flops:
+            roofline = rooflines[f"{c.roofline}_tflops"]
+            if self.tiles_tflops:  # the machine's speed during the case's rounds against the start of the run
+                roofline *= self.tiles_tflops / rooflines[self.tiles_roofline]
+            row["tiles_tflops_alongside"] = self.tiles_tflops
+            row["roofline_tflops"] = roofline
             row["tflops"] = {k: c.flops / v / 1e12 for k, v in self.seconds.items()}
-            row["fraction_of_roofline"] = {k: v / rooflines[f"{c.roofline}_tflops"] for k, v in row["tflops"].items()}
+            row["fraction_of_roofline"] = {k: v / roofline for k, v in row["tflops"].items()}
             row["fraction_of_gemm"] = row["fraction_of_roofline"][ours]
         return row
 
@@ -101,6 +111,9 @@ def best_time(fn: Callable[[], object], repeat: int, warmup: int = 1, budget_s: 
         if time.perf_counter() - start > budget_s:
             break
     return best
+
+
+TILES_SECONDS = 0.05  # one run of the tile GEMM, in the rooflines and alongside a compute-bound case
 
 
 def measure_rooflines(quick: bool) -> dict[str, float]:
@@ -122,7 +135,7 @@ def measure_rooflines(quick: bool) -> dict[str, float]:
     a16, b16 = a32.bfloat16(), b32.bfloat16()
     t16 = best_time(lambda: torch.mm(a16, b16), reps)
     t16_widened = best_time(lambda: torch.mm(a16.float(), b16.float()), reps)
-    tiles = {dtype: tile_tflops(dtype, torch.get_num_threads(), 0.05 if quick else 0.2)
+    tiles = {dtype: tile_tflops(dtype, torch.get_num_threads(), TILES_SECONDS)
              for dtype in (torch.float32, torch.bfloat16)}
     flops = 2 * size**3
     r = {"copy_gbps": 2 * n * 4 / t / 1e9, "gemm_fp32_torch_tflops": flops / t32 / 1e12,
@@ -243,6 +256,8 @@ def _render(results: list[BenchResult], rooflines: dict[str, float], console) ->
                 rate += f"; copy alongside {row['copy_gbps_alongside']:.1f} GB/s"
         elif "tflops" in row:
             rate = f"{row['tflops'][ours]:.3f} TFLOP/s ({100 * row['fraction_of_gemm']:.0f}% of {r.case.roofline})"
+            if row["tiles_tflops_alongside"]:
+                rate += f"; tiles alongside {row['tiles_tflops_alongside']:.3g} TFLOP/s"
         else:
             rate = "-"
         table.add_row(r.case.op, row["dtype"], r.case.label, f"{r.seconds[ours] * 1e3:.2f}", peers, rate)
@@ -291,7 +306,9 @@ def markdown_summary(report: dict) -> str:
     """The report as Markdown tables (the tables of docs/performance.md are pasted from it)."""
     lines = [machine_text(report["machine"]) + ".", "",
              f"Rooflines measured first: {rooflines_text(report['rooflines'])}. Memory-bound cases are rated "
-             "against a copy of the same bytes timed in the same rounds.", "",
+             "against a copy of the same bytes timed in the same rounds; compute-bound ones against their roofline "
+             "scaled by the kernels' tile GEMM timed in the same rounds over its rate when the rooflines were "
+             "measured (the machine's drift during the run).", "",
              "| operator | dtype | case | attngrad ms | % of roofline | peers: ms (speed-up of attngrad) |",
              "|---|---|---|---|---|---|"]
     for row in report["results"]:
@@ -428,10 +445,27 @@ def evict_caches() -> None:
         chunk.sum()
 
 
-def time_case(case: BenchCase, repeat: int, budget_s: float = 60.0, min_s: float = 2.0) -> BenchResult:
+_TILES_ROOFLINE = {torch.float32: "gemm_fp32_tiles_tflops", torch.bfloat16: "gemm_bf16_tiles_tflops"}
+
+
+def alongside_tiles(case: BenchCase, rooflines: dict[str, float]) -> torch.dtype | None:
+    """The tile GEMM (:func:`.kernels.gemm_paths.tile_work`) to time alongside a compute-bound case: float32 tiles
+    for the fp32 roofline, else the faster of the bfloat16 and float32 tiles when the rooflines were measured;
+    None for the other cases."""
+    if not case.flops or not case.roofline.startswith("gemm"):
+        return None
+    if case.roofline == "gemm_fp32":
+        return torch.float32
+    faster = rooflines["gemm_bf16_tiles_tflops"] >= rooflines["gemm_fp32_tiles_tflops"]
+    return torch.bfloat16 if faster else torch.float32
+
+
+def time_case(case: BenchCase, repeat: int, budget_s: float = 60.0, min_s: float = 2.0,
+              tiles: torch.dtype | None = None) -> BenchResult:
     """Best of at least ``repeat`` interleaved rounds (one call of each implementation per round, after one
     warm-up call each), so that every implementation sees the same machine load; memory-bound cases also time
-    a copy of the same bytes in the same rounds.
+    a copy of the same bytes in the same rounds, and with ``tiles`` (:func:`alongside_tiles`) a compute-bound
+    case times the kernels' tile GEMM on those tiles.
 
     Memory-bound cases are rated against DRAM bandwidth, so every timed call of theirs (the copy's too) starts
     with evicted caches (:func:`evict_caches`): cases of tens of MB otherwise run partly from the last-level
@@ -439,9 +473,13 @@ def time_case(case: BenchCase, repeat: int, budget_s: float = 60.0, min_s: float
     implementation always follows the same neighbour. Fast cases run more rounds, until ``min_s`` has passed
     (at most ``5 * repeat``): the best of 10 sub-millisecond calls on a shared machine still carries its noise.
     """
+    from .kernels.gemm_paths import tile_work
+
     fns = dict(case.impls)
     if case.bytes_moved:
         fns["__copy__"] = _copy_fn(case.bytes_moved)
+    if tiles is not None:
+        fns["__tiles__"], tile_flops = tile_work(tiles, torch.get_num_threads(), TILES_SECONDS)
     names = list(fns)
     best = {name: float("inf") for name in fns}
     for fn in fns.values():
@@ -459,15 +497,18 @@ def time_case(case: BenchCase, repeat: int, budget_s: float = 60.0, min_s: float
             fns[name]()
             best[name] = min(best[name], time.perf_counter() - t0)
     copy = best.pop("__copy__", None)
-    return BenchResult(case, best, case.bytes_moved / copy / 1e9 if copy else None)
+    tiles_time = best.pop("__tiles__", None)
+    return BenchResult(case, best, case.bytes_moved / copy / 1e9 if copy else None,
+                       tile_flops / tiles_time / 1e12 if tiles_time else None,
+                       _TILES_ROOFLINE[tiles] if tiles is not None else None)
 
 
-def _time_cases(cases: list[BenchCase], repeat: int, progress) -> list[BenchResult]:
+def _time_cases(cases: list[BenchCase], repeat: int, rooflines: dict[str, float], progress) -> list[BenchResult]:
     task = progress.add_task("benchmarking", total=len(cases))
     results = []
     for case in cases:
         progress.update(task, description=f"{case.op} {str(case.dtype)[6:]} {case.label}")
-        results.append(time_case(case, repeat))
+        results.append(time_case(case, repeat, tiles=alongside_tiles(case, rooflines)))
         progress.advance(task)
     return results
 
@@ -505,7 +546,7 @@ def run_bench(args) -> int:
     repeat = args.repeat or (3 if args.quick else 10)
     report = {"machine": machine, "options": {"quick": args.quick, "repeat": repeat}, "rooflines": rooflines}
     with Progress(transient=True) as progress:
-        results = _time_cases(cases, repeat, progress)
+        results = _time_cases(cases, repeat, rooflines, progress)
         report["results"] = [r.to_json(rooflines) for r in results]
         if first_call:
             report["first_call"] = _first_calls(selected_first_calls(args), progress)

@@ -29,6 +29,7 @@ import os
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -232,29 +233,40 @@ def _widened_product(a, b, b_pairs, a32, b32, c, on_brgemm):
 
 # ------------------------------------------------------------------------------------------- tile roofline
 def tile_tflops(dtype: torch.dtype, threads: int, seconds: float = 0.2) -> float:
-    """TFLOP/s of the kernels' own GEMM on all ``threads`` at once: each thread multiplies the backward tile set
-    (module docstring) on its own ``dtype`` tiles (bfloat16 or float32), over and over for about ``seconds``,
-    through the native path (brgemm with B packed once, as the kernels pack a key block once for many query
-    blocks; else MKL); best of five runs. A roofline for the kernels where torch's own GEMM is slower."""
+    """TFLOP/s of the kernels' own GEMM on all ``threads`` at once: the best of five runs of :func:`tile_work`. A
+    roofline for the kernels where torch's own GEMM is slower."""
+    run, flops = tile_work(dtype, threads, seconds)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return flops / best / 1e12
+
+
+def tile_work(dtype: torch.dtype, threads: int, seconds: float) -> tuple[Callable[[], None], float]:
+    """``(run, flops)``: ``run()`` has each of ``threads`` threads multiply the backward tile set (module docstring)
+    on its own ``dtype`` tiles (bfloat16 or float32), over and over for about ``seconds``, through the native path
+    (brgemm with B packed once, as the kernels pack a key block once for many query blocks; else MKL); ``flops``:
+    the FLOPs of one run."""
     tiles = [[_tile_operands(dtype, m, n, k) for m, n, k in _TILE_SET] for _ in range(threads)]
     on_brgemm = dtype in BRGEMM_DTYPES
     flops = 2 * sum(m * n * k for m, n, k in _TILE_SET)
 
-    def run(thread: int, reps: int) -> None:
+    def products(thread: int, reps: int) -> None:
         for a, b, c in tiles[thread]:
             _repeated_products(a, b, c, reps, on_brgemm)
 
-    run(0, 1)  # warm-up (and numba's compile on the first use)
+    products(0, 1)  # warm-up (and numba's compile on the first use)
     start = time.perf_counter()
-    run(0, 1)
+    products(0, 1)
     reps = max(1, int(seconds / max(time.perf_counter() - start, 1e-6)))
-    best = float("inf")
-    with ThreadPoolExecutor(threads) as pool:
-        for _ in range(5):
-            start = time.perf_counter()
-            list(pool.map(run, range(threads), [reps] * threads))
-            best = min(best, time.perf_counter() - start)
-    return threads * reps * flops / best / 1e12
+    pool = ThreadPoolExecutor(threads)
+
+    def run() -> None:
+        list(pool.map(products, range(threads), [reps] * threads))
+
+    return run, threads * reps * flops
 
 
 def _tile_operands(dtype: torch.dtype, m: int, n: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
