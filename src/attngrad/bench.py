@@ -114,6 +114,7 @@ def best_time(fn: Callable[[], object], repeat: int, warmup: int = 1, budget_s: 
 
 
 TILES_SECONDS = 0.05  # one run of the tile GEMM, in the rooflines and alongside a compute-bound case
+_TILES_ROOFLINE = {torch.float32: "gemm_fp32_tiles_tflops", torch.bfloat16: "gemm_bf16_tiles_tflops"}
 
 
 def measure_rooflines(quick: bool) -> dict[str, float]:
@@ -135,12 +136,10 @@ def measure_rooflines(quick: bool) -> dict[str, float]:
     a16, b16 = a32.bfloat16(), b32.bfloat16()
     t16 = best_time(lambda: torch.mm(a16, b16), reps)
     t16_widened = best_time(lambda: torch.mm(a16.float(), b16.float()), reps)
-    tiles = {dtype: tile_tflops(dtype, torch.get_num_threads(), TILES_SECONDS)
-             for dtype in (torch.float32, torch.bfloat16)}
+    tiles = {key: tile_tflops(dtype, torch.get_num_threads(), TILES_SECONDS) for dtype, key in _TILES_ROOFLINE.items()}
     flops = 2 * size**3
     r = {"copy_gbps": 2 * n * 4 / t / 1e9, "gemm_fp32_torch_tflops": flops / t32 / 1e12,
-         "gemm_fp32_tiles_tflops": tiles[torch.float32], "gemm_bf16_tflops": flops / t16 / 1e12,
-         "gemm_bf16_widened_tflops": flops / t16_widened / 1e12, "gemm_bf16_tiles_tflops": tiles[torch.bfloat16]}
+         "gemm_bf16_tflops": flops / t16 / 1e12, "gemm_bf16_widened_tflops": flops / t16_widened / 1e12, **tiles}
     r["gemm_fp32_tflops"] = max(r["gemm_fp32_torch_tflops"], r["gemm_fp32_tiles_tflops"])
     r["gemm_bf16_best_tflops"] = max(r["gemm_bf16_tflops"], r["gemm_bf16_widened_tflops"],
                                      r["gemm_bf16_tiles_tflops"], r["gemm_fp32_tiles_tflops"])
@@ -445,9 +444,6 @@ def evict_caches() -> None:
         chunk.sum()
 
 
-_TILES_ROOFLINE = {torch.float32: "gemm_fp32_tiles_tflops", torch.bfloat16: "gemm_bf16_tiles_tflops"}
-
-
 def alongside_tiles(case: BenchCase, rooflines: dict[str, float]) -> torch.dtype | None:
     """The tile GEMM (:func:`.kernels.gemm_paths.tile_work`) to time alongside a compute-bound case: float32 tiles
     for the fp32 roofline, else the faster of the bfloat16 and float32 tiles when the rooflines were measured;
@@ -456,8 +452,8 @@ def alongside_tiles(case: BenchCase, rooflines: dict[str, float]) -> torch.dtype
         return None
     if case.roofline == "gemm_fp32":
         return torch.float32
-    faster = rooflines["gemm_bf16_tiles_tflops"] >= rooflines["gemm_fp32_tiles_tflops"]
-    return torch.bfloat16 if faster else torch.float32
+    bf16, fp32 = (rooflines[_TILES_ROOFLINE[dtype]] for dtype in (torch.bfloat16, torch.float32))
+    return torch.bfloat16 if bf16 >= fp32 else torch.float32
 
 
 def time_case(case: BenchCase, repeat: int, budget_s: float = 60.0, min_s: float = 2.0,
