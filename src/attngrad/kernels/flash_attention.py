@@ -284,7 +284,7 @@ class BackwardScratch(NamedTuple):
     s: np.ndarray  # fp32 [_BQ, _BK]: scores, then dS
     dp: np.ndarray  # fp32 [_BQ, _BK]: dY V^T
     pt: np.ndarray  # input dtype [_BQ, _BK]: Pd
-    dst: np.ndarray  # input dtype [_BQ, _BK]: dS
+    dst: np.ndarray  # input dtype [_BQ, _BK]: dS as the GEMMs take it (a placeholder where they take s: _ds_tile)
     dkt: np.ndarray  # fp32 [D + Dr, _BK]: dK^T (rows D..: dK_rope^T) of the key block
     dvt: np.ndarray  # fp32 [Dv, _BK]: dV^T of the key block
     kt: np.ndarray  # the key block's K^T, V^T (:func:`_pack_transposed`) and bfloat16 K (:func:`_pack_rows`)
@@ -967,11 +967,11 @@ def _transpose_kernel(x, out):
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
 def _backward_tile(work, tile, general, plan, ops, dpse):
     """work.s holds QK^T, work.dp dY V^T: P = exp(S - max) * (1 / sum); Pd = P M / keep_prob -> work.pt and
-    dS = P (dP M / keep_prob - Dr) -> work.s (fp32) and work.dst (input dtype); with ``plan.dpse`` dS (times scale
-    for pse_type 1) is added by :func:`_add_dpse_row`. Tiles without a mask to test keep s raw and form the logit
-    inside the exp sweep (scale, and a dense pse's or a generated alibi's term: :func:`_dense_pse_row`,
-    :func:`_alibi_terms`); the others get it from :func:`_modify_scores`. Runs with subnormals flushed unless it
-    computes dpse (:func:`_backward_visible_tile`)."""
+    dS = P (dP M / keep_prob - Dr) -> work.s (fp32) and work.dst (input dtype, :func:`_store_ds`); with
+    ``plan.dpse`` dS (times scale for pse_type 1) is added by :func:`_add_dpse_row`. Tiles without a mask to
+    test keep s raw and form the logit inside the exp sweep (scale, and a dense pse's or a generated alibi's term:
+    :func:`_dense_pse_row`, :func:`_alibi_terms`); the others get it from :func:`_modify_scores`. Runs with
+    subnormals flushed unless it computes dpse (:func:`_backward_visible_tile`)."""
     prefer_512_bit_vectors()
     s, dp, pt, dst = work.s, work.dp, work.pt, work.dst
     smax, ssum, dr = ops.smax, ops.ssum, ops.dr
@@ -1016,7 +1016,53 @@ def _score_gradient(s, dp, pt, dst, r, c, z, keep, mr, inv_l, dri, plan):
     pr = exp2_32((z - mr) * LOG2E) * inv_l
     pt[r, c] = _operand(pr * keep, plan.probs_like, pt)
     s[r, c] = pr * (dp[r, c] * keep - dri)
-    dst[r, c] = _operand(s[r, c], plan.probs_like, dst)
+    _store_ds(s, r, c, plan.probs_like, dst)
+
+
+def _store_ds(s, r, c, like, dst):  # pragma: no cover - compiled through the overload below
+    """``dst[r, c]`` = dS ``s[r, c]`` as the GEMMs take it (:func:`_operand`); nothing where they take s itself
+    (:func:`_ds_tile`)."""
+    raise NotImplementedError
+
+
+@overload(_store_ds, inline="always")
+def _store_ds_impl(s, r, c, like, dst):
+    if _ds_in_place(like, dst):
+        return lambda s, r, c, like, dst: None
+
+    def store(s, r, c, like, dst):
+        dst[r, c] = _operand(s[r, c], like, dst)
+    return store
+
+
+def _ds_in_place(like, dst):
+    """(Typing time) whether the gradient GEMMs take dS from the fp32 tile s itself: float32 operands (dst) that
+    are not rounded to another type (``like``), so that a copy would hold the same bits."""
+    return dst.dtype == types.float32 and like.dtype == types.float32
+
+
+def _ds_tile(work, like):  # pragma: no cover - compiled through the overload below
+    """The dS operand tile of the gradient GEMMs: work.s where :func:`_ds_in_place`, else work.dst."""
+    raise NotImplementedError
+
+
+@overload(_ds_tile, inline="always")
+def _ds_tile_impl(work, like):
+    if _ds_in_place(like, work.types[work.fields.index("dst")]):
+        return lambda work, like: work.s
+    return lambda work, like: work.dst
+
+
+def _ds_scratch(q, like):  # pragma: no cover - compiled through the overload below
+    """A backward task's dS operand tile (``[_BQ, _BK]`` of q's type), a placeholder where :func:`_ds_in_place`."""
+    raise NotImplementedError
+
+
+@overload(_ds_scratch, inline="always")
+def _ds_scratch_impl(q, like):
+    if _ds_in_place(like, q):
+        return lambda q, like: aligned_empty((1, 1), q.dtype)
+    return lambda q, like: aligned_empty((_BQ, _BK), q.dtype)
 
 
 @njit(inline="always", fastmath=FASTMATH)
@@ -1114,17 +1160,17 @@ def _per_packed(q, packed):
 
 
 @njit(inline="always")
-def _gradient_gemms(ops, tile, queries, keys, on_brgemm, work, dq_ptr, dq_adds):
+def _gradient_gemms(ops, tile, queries, keys, on_brgemm, work, dq_ptr, dq_adds, like):
     """dV^T += dY^T Pd, dK^T += Q^T dS (fp32 ``[D, BK]`` accumulators work.dvt / work.dkt) and dQ (+)= dS K (fp32 at
     dq_ptr, row stride D; ``dq_adds`` False: written), Q and K as in :func:`_score_gemms` (with rope dK^T and dQ
-    have D + Dr rows / columns).
+    have D + Dr rows / columns); dS from :func:`_ds_tile` (``like``: the plan's ``probs_like``).
 
     On the brgemm the A operands dY^T and ``[Q | Q_rope]^T`` come from the transposed copies ``ops.dyt``, ``ops.qt``
     (one dK^T product of depth D + Dr); bfloat16 Pd, dS are packed (:func:`_tile_operand`) and K comes packed by
     :func:`_pack_key_block`."""
     q, dy = ops.q, ops.dy
     b, n, i0, rows, _, cols = tile
-    pt, dst, dkt, dvt = work.pt, work.dst, work.dkt, work.dvt
+    pt, dst, dkt, dvt = work.pt, _ds_tile(work, like), work.dkt, work.dvt
     x, qb, qn, qi = queries
     y, kb, kn, kj = keys
     Dv, dqk = dy.shape[3], y.shape[3]
@@ -1199,7 +1245,8 @@ def _backward_visible_tile(ops, plan, grads, work, keys, packed, tile, n2, chunk
     if plan.dpse:
         mode = flush_denormals()
     dq_ptr = _accumulator_row(grads.dq_acc, chunk, b, n, i0).ctypes.data
-    _gradient_gemms(ops, tile, queries, keys, on_brgemm, work, dq_ptr, _dq_adds(grads, chunk, b, n, i0, rows))
+    _gradient_gemms(ops, tile, queries, keys, on_brgemm, work, dq_ptr, _dq_adds(grads, chunk, b, n, i0, rows),
+                    plan.probs_like)
     restore_float_mode(mode)
 
 
@@ -1223,10 +1270,10 @@ def _dq_adds(grads, chunk, b, n, i0, rows):
 
 
 @njit(inline="always")
-def _backward_scratch(q, d, dv, dr, packed, pack_like):
+def _backward_scratch(q, d, dv, dr, packed, pack_like, probs_like):
     """A backward task's :class:`BackwardScratch` (``dr``: the rope dim, 0 without rope); the packed operands have
-    ``pack_like``'s element type (uint32 VNNI pairs for bfloat16, else float32); unused buffers are 1-element
-    placeholders."""
+    ``pack_like``'s element type (uint32 VNNI pairs for bfloat16, else float32); ``probs_like``: the type P and dS
+    are rounded to (:class:`KernelPlan`); unused buffers are 1-element placeholders."""
     dqk = d + dr
     per = _per_packed(q, pack_like)
     block = max(dqk, dv) * _BK // per if packed else 1
@@ -1236,7 +1283,7 @@ def _backward_scratch(q, d, dv, dr, packed, pack_like):
     # the rope copies kk, qq; qq serves the tiles on MKL, in a packed bfloat16 call too (odd rows or columns)
     rows = (_BK, _BQ) if dr else (1, 1)
     return BackwardScratch(aligned_empty((_BQ, _BK), np.float32), aligned_empty((_BQ, _BK), np.float32),
-                           aligned_empty((_BQ, _BK), q.dtype), aligned_empty((_BQ, _BK), q.dtype),
+                           aligned_empty((_BQ, _BK), q.dtype), _ds_scratch(q, probs_like),
                            aligned_empty((dqk, _BK), np.float32), aligned_empty((dv, _BK), np.float32),
                            aligned_empty((block,), like), aligned_empty((block,), like),
                            aligned_empty((pairs,), like), aligned_empty((tile,), like), aligned_empty((tile,), like),
@@ -1309,7 +1356,8 @@ def _backward_kernel(ops, plan, grads, pack_like, table, tasks, workers):
     D, Dv = ops.k.shape[3], ops.v.shape[3]
     next_task = np.zeros(1, np.int64)
     for _ in prange(workers):
-        work = _backward_scratch(ops.q, D, Dv, ops.qr.shape[3] if ops.rope else 0, ops.packed, pack_like)
+        work = _backward_scratch(ops.q, D, Dv, ops.qr.shape[3] if ops.rope else 0, ops.packed, pack_like,
+                                 plan.probs_like)
         t = claim(next_task)
         while t < tasks.shape[0]:
             s = tasks[t, 0]
