@@ -80,13 +80,18 @@ def _torch_calls(q, k, v, dy, **peer_kw) -> tuple:
             lambda: torch.autograd.grad(graph_out, leaves, dy, retain_graph=True))
 
 
+def gemm_roofline(dtype: torch.dtype) -> str:
+    """The GEMM roofline a flash attention case of ``dtype`` is rated against: fp32's, else the best of bf16 and
+    widened fp32 (the kernels take either path, see docs/performance.md, 'GEMM paths')."""
+    return "gemm_fp32" if dtype == torch.float32 else "gemm_bf16_best"
+
+
 def _grad_and_forward(shape, dtype, what, plan, impls: dict, notes="", pair_flops=None) -> list[BenchCase]:
     """The grad and the forward case of one problem; ``impls``: name -> (forward, grad) calls, attngrad's first.
     ``pair_flops``: effective forward FLOPs per visible pair (default ``4 D``)."""
     b, n, s, d = shape
     flops = (pair_flops or 4 * d) * visible_pairs(plan, b, n, s, s)
-    roofline = "gemm_bf16_best" if dtype != torch.float32 else "gemm_fp32"
-    common = dict(dtype=dtype, label=_label(shape, what), roofline=roofline)
+    common = dict(dtype=dtype, label=_label(shape, what), roofline=gemm_roofline(dtype))
     return [BenchCase(op="FlashAttentionScoreGrad", flops=2.5 * flops, impls={k: c[1] for k, c in impls.items()},
                       notes="; ".join(filter(None, ("backward only; stats from a prior forward", notes))), **common),
             BenchCase(op="FlashAttentionScore", flops=flops, impls={k: c[0] for k, c in impls.items()}, notes=notes,

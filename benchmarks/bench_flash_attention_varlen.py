@@ -1,9 +1,9 @@
 """Varlen (TND) FlashAttentionScore forward and grad against (a) the same sequences run one by one through the
 BNSD kernels and (b) torch's C++ flash attention (SDPA FLASH backend) on the same tokens padded to the longest.
 
-Case: 32 sequences with lengths spread evenly over 64..1024 (Sq_b = Skv_b), N1 = N2 = 8, D = 128, bf16, scale
-1/sqrt(D), causal (sparse mode 3 with the compressed [2048, 2048] mask; torch ``is_causal``, top-left aligned,
-the same thing when Sq_b = Skv_b). Quick: 8 sequences over 64..256. The grad times only the backward: the
+Case: 32 sequences with lengths spread evenly over 64..1024 (Sq_b = Skv_b), N1 = N2 = 8, D = 128, bf16 and fp32,
+scale 1/sqrt(D), causal (sparse mode 3 with the compressed [2048, 2048] mask; torch ``is_causal``, top-left
+aligned, the same thing when Sq_b = Skv_b). Quick: 8 sequences over 64..256. The grad times only the backward: the
 varlen contract's ``run_backward`` on a validated problem with stats from a prior forward; the one-by-one peer
 calls ``flash_attention_backward`` per sequence on contiguous BNSD copies made outside the timing; torch's
 ``autograd.grad`` of a padded [B, N, maxS, D] graph built once. Effective FLOPs: ``4 N D sum_b Sq_b Skv_b``
@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 from attngrad.bench import BenchCase
+from attngrad.benchmarks.bench_flash_attention import gemm_roofline
 from attngrad.kernels.flash_attention import flash_attention_backward, flash_attention_forward
 from attngrad.kernels.flash_attention_plan import AttentionPlan
 from attngrad.ops import flash_attention_varlen as varlen
@@ -83,14 +84,14 @@ def _cases(lengths: list[int], dtype: torch.dtype) -> list[BenchCase]:
     flops = 4 * HEADS * HEAD_DIM * sum(s * s for s in lengths) * 0.5
     label = f"TND {len(lengths)} seqs {min(lengths)}..{max(lengths)} (T={total}) N{HEADS} D{HEAD_DIM} causal"
     grad = BenchCase(
-        op="FlashAttentionUnpaddingScoreGrad", dtype=dtype, label=label, flops=2.5 * flops, roofline="gemm_bf16_best",
+        op="FlashAttentionUnpaddingScoreGrad", dtype=dtype, label=label, flops=2.5 * flops, roofline=gemm_roofline(dtype),
         impls={"attngrad varlen": lambda: varlen.run_backward(grad_problem),
                "attngrad BNSD one by one": one_by_one_backward,
                "torch sdpa flash (C++) padded": lambda: torch.autograd.grad(graph_out, leaves, padded[3],
                                                                             retain_graph=True)},
         notes="backward only; stats from a prior forward; torch pads every sequence to the longest")
     forward = BenchCase(
-        op="FlashAttentionVarLenScore", dtype=dtype, label=label, flops=flops, roofline="gemm_bf16_best",
+        op="FlashAttentionVarLenScore", dtype=dtype, label=label, flops=flops, roofline=gemm_roofline(dtype),
         impls={"attngrad varlen": lambda: varlen.run_forward(forward_problem),
                "attngrad BNSD one by one": one_by_one_forward,
                "torch sdpa flash (C++) padded": lambda: _torch_flash(*padded[:3])},
@@ -100,4 +101,4 @@ def _cases(lengths: list[int], dtype: torch.dtype) -> list[BenchCase]:
 
 def cases(quick: bool) -> list[BenchCase]:
     lengths = _lengths(8, 64, 256) if quick else _lengths(32, 64, 1024)
-    return _cases(lengths, torch.bfloat16)
+    return _cases(lengths, torch.bfloat16) + _cases(lengths, torch.float32)
