@@ -213,12 +213,15 @@ def test_strided_views_and_preallocated_outputs_match_contiguous(dtype, n1, n2, 
         assert g is view and _same(g, w, dtype) and _untouched(buf, view)
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("s,d", [(300, 40), (64, 128), (7, 17)])
-def test_transposed_copy_of_strided_and_contiguous_inputs(dtype, s, d):
+def test_transposed_copy_of_strided_and_contiguous_inputs(monkeypatch, dtype, s, d, stream):
     """The backward's transposed copies (whole 16-blocks and edge blocks) equal torch's transpose bit for bit, from
     a TND-like strided view, from a contiguous tensor and from one whose rows are not unit-stride (element by
-    element); two parts (``[Q | Q_rope]^T``) stack along the head dim."""
+    element); two parts (``[Q | Q_rope]^T``) stack along the head dim. ``stream``: written as a copy too large for
+    the caches is (non-temporal stores where the rows are 64-byte aligned: float32 at s = 64)."""
+    monkeypatch.setattr(flash_attention, "streams", lambda nbytes: stream)
     tnd = torch.randn(s, 3, d).to(dtype)
     column_major = torch.randn(1, 3, d, s).to(dtype).transpose(-1, -2)
     for t in (tnd.transpose(0, 1).unsqueeze(0), tnd.transpose(0, 1).unsqueeze(0).contiguous(), column_major):

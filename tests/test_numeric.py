@@ -483,9 +483,20 @@ def test_unowned_views_the_array_with_its_strides():
 
 
 @njit
-def _transposed_serial(src, dst):
+def _transposed_serial(src, dst, stream):
     transpose_matrix(src.ctypes.data, src.strides[0], dst.ctypes.data, dst.strides[0], src.shape[0], src.shape[1],
-                     src)
+                     src, stream)
+    stream_fence()
+
+
+def _aligned_full(shape, value, dtype):
+    """np.full(shape, value, dtype) starting on a 64-byte boundary."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(size + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    out = raw[start:start + size].view(dtype).reshape(shape)
+    out[...] = value
+    return out
 
 
 @njit(parallel=True)
@@ -495,15 +506,19 @@ def _transposed_parallel(src, dst):  # one matrix per prange task, as the flash 
                          src.shape[2], src)
 
 
+@pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize("dtype", [np.float32, np.uint32, np.uint16, np.int16])
 @pytest.mark.parametrize("shape", [(16, 16), (32, 48), (200, 96), (37, 21), (5, 3), (1, 17), (0, 4)])
-def test_transpose_matrix_whole_blocks_and_edges(dtype, shape):
+def test_transpose_matrix_whole_blocks_and_edges(dtype, shape, stream):
+    """Whole 16 x 16 blocks and the edges; with ``stream`` the 4-byte blocks whose destination rows are 64-byte
+    aligned go through non-temporal stores ((16, 16), (32, 48): pitches of 64 and 128 bytes), the others through
+    plain ones, with the same result."""
     rng = np.random.default_rng(0)
     # rows of a wider array: the source pitch is not its width
     wide = rng.integers(0, 30000, (shape[0], shape[1] + 7)).astype(dtype)
     src = wide[:, 3:3 + shape[1]]
-    dst = np.full(shape[::-1], 99, dtype)
-    _transposed_serial(src, dst)
+    dst = _aligned_full(shape[::-1], 99, dtype)
+    _transposed_serial(src, dst, stream)
     np.testing.assert_array_equal(dst, src.T)
     stack = rng.integers(0, 30000, (3, *shape)).astype(dtype)
     out = np.full((3, *shape[::-1]), 99, dtype)

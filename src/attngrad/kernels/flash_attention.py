@@ -118,8 +118,8 @@ from .gemm import BRGEMM_DTYPES, NO_TRANS, TRANS, brgemm, brgemm_release, gemm
 from .layouts import launch_strided
 from .numeric import (FASTMATH, LOG2E, SELECT_BITS, TRANSPOSE_BLOCK, aligned_empty, array_at, copy_row, exp2_32,
                       exp32, exp_nonpositive, flush_denormals, fmaximum, narrow, narrow_ftz, prefer_512_bit_vectors,
-                      prefetch_bytes, restore_float_mode, row_address, row_view, select_bits, transpose_matrix,
-                      unowned, widen)
+                      prefetch_bytes, restore_float_mode, row_address, row_view, select_bits, stream_fence, streams,
+                      transpose_matrix, unowned, widen)
 from .tensor_view import kernel_view, new_output
 from .threads import claim, kernel_threads, on_torch_threads
 
@@ -946,9 +946,10 @@ def _row_dot_kernel(dy, out, dr):
 
 
 @njit(**_KERNEL)
-def _transpose_kernel(x, out):
+def _transpose_kernel(x, out, stream):
     """out[b, n, d, s] = x[b, n, s, d] (out: unit-stride rows; x any strides), in tasks of ``stripe`` rows of one
-    (b, n): by :func:`.numeric.transpose_matrix` where x's rows are unit-stride, else element by element."""
+    (b, n): by :func:`.numeric.transpose_matrix` where x's rows are unit-stride (``stream``: written around the
+    caches where it can), else element by element."""
     B, N, S, D = x.shape
     stripe = 4 * TRANSPOSE_BLOCK
     stripes = (S + stripe - 1) // stripe
@@ -957,7 +958,9 @@ def _transpose_kernel(x, out):
         rows = min(stripe, S - s0)
         if x.strides[3] == x.itemsize:
             transpose_matrix(row_address(x, b, n, s0), x.strides[2], row_address(out, b, n, 0) + s0 * out.itemsize,
-                             out.strides[2], rows, D, x)
+                             out.strides[2], rows, D, x, stream)
+            if stream:
+                stream_fence()
         else:
             for d in range(D):
                 for i in range(s0, s0 + rows):
@@ -1620,7 +1623,7 @@ def _transposed(parts: tuple, packed: bool, like: torch.Tensor) -> np.ndarray:
     out = kernel_view(new_output((B, N, sum(t.shape[3] for t in parts), S), parts[0].dtype))
     d0 = 0
     for t in parts:
-        _transpose_kernel(kernel_view(t), out[:, :, d0:d0 + t.shape[3]])
+        _transpose_kernel(kernel_view(t), out[:, :, d0:d0 + t.shape[3]], streams(out.nbytes))
         d0 += t.shape[3]
     return out
 

@@ -187,14 +187,19 @@ def _swap_masks(h: int) -> tuple[list[int], list[int]]:
     return low, high
 
 
-@intrinsic
-def transpose_block(typingctx, src, src_pitch, dst, dst_pitch, like):
-    """``dst[c, r] = src[r, c]`` for a 16 x 16 block of like's element type (4 or 2 bytes): src and dst are
-    integer addresses, the pitches their row strides in bytes. The 16 rows are loaded as vectors and transposed
-    by 64 shuffles (the off-diagonal blocks of sides 8, 4, 2, 1 swapped in turn), then stored: 6 vector
-    instructions per row where an element-by-element copy takes 16 scalar loads and stores."""
-    if not isinstance(like, types.Array) or like.dtype.bitwidth not in (16, 32):
-        return None
+def _transpose_block(stream: bool):
+    """The intrinsic :func:`transpose_block` (``stream``: :func:`stream_transpose_block`)."""
+
+    @intrinsic
+    def block(typingctx, src, src_pitch, dst, dst_pitch, like):
+        if not isinstance(like, types.Array) or like.dtype.bitwidth not in (16, 32):
+            return None
+        return types.void(src, src_pitch, dst, dst_pitch, like), _transpose_block_codegen(like, stream)
+
+    return block
+
+
+def _transpose_block_codegen(like, stream: bool):
     n = TRANSPOSE_BLOCK
     row = ir.VectorType(ir.IntType(like.dtype.bitwidth), n)
 
@@ -215,25 +220,43 @@ def transpose_block(typingctx, src, src_pitch, dst, dst_pitch, like):
                     rows[r], rows[r + h] = builder.shuffle_vector(a, b, low), builder.shuffle_vector(a, b, high)
             h //= 2
         for r in range(n):
-            builder.store(rows[r], address(dst_, dst_pitch_, r), align=1)
+            store = builder.store(rows[r], address(dst_, dst_pitch_, r), align=_STREAM_BLOCK if stream else 1)
+            if stream:
+                store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
         return context.get_dummy_value()
 
-    return types.void(src, src_pitch, dst, dst_pitch, like), codegen
+    return codegen
+
+
+transpose_block = _transpose_block(False)
+transpose_block.__doc__ = """``dst[c, r] = src[r, c]`` for a 16 x 16 block of like's element type (4 or 2 bytes): src and dst
+are integer addresses, the pitches their row strides in bytes. The 16 rows are loaded as vectors and transposed by
+64 shuffles (the off-diagonal blocks of sides 8, 4, 2, 1 swapped in turn), then stored: 6 vector instructions per
+row where an element-by-element copy takes 16 scalar loads and stores."""
+stream_transpose_block = _transpose_block(True)
+stream_transpose_block.__doc__ = """:func:`transpose_block` whose 16 rows of 64 bytes (float32) are written by non-temporal stores
+(see :func:`streams`): dst and dst_pitch must be multiples of 64."""
 
 
 @njit(inline="always")
-def transpose_matrix(src, src_pitch, dst, dst_pitch, rows, cols, like):
+def transpose_matrix(src, src_pitch, dst, dst_pitch, rows, cols, like, stream=False):
     """``dst[c, r] = src[r, c]`` for a ``[rows, cols]`` matrix of like's element type (4 or 2 bytes) at address
     src into the ``[cols, rows]`` one at dst (pitches: row strides in bytes, multiples of the element size): whole
-    16 x 16 blocks by :func:`transpose_block`, the edges element by element through flat views of both matrices
-    (a store into an ``array_at`` taken inside the loop was dropped as dead code once inlined into a prange body)."""
+    16 x 16 blocks by :func:`transpose_block` (with ``stream``, a float32 dst and dst_pitch that are multiples of
+    64 bytes: :func:`stream_transpose_block`; the caller fences, :func:`stream_fence`), the edges element by element
+    through flat views of both matrices (a store into an ``array_at`` taken inside the loop was dropped as dead
+    code once inlined into a prange body)."""
     n = TRANSPOSE_BLOCK
     size = like.itemsize
+    streamed = stream and size * n == _STREAM_BLOCK and dst % _STREAM_BLOCK == 0 and dst_pitch % _STREAM_BLOCK == 0
     whole_rows, whole_cols = rows - rows % n, cols - cols % n
     for r0 in range(0, whole_rows, n):
         for c0 in range(0, whole_cols, n):
-            transpose_block(src + r0 * src_pitch + c0 * size, src_pitch, dst + c0 * dst_pitch + r0 * size,
-                            dst_pitch, like)
+            block_src, block_dst = src + r0 * src_pitch + c0 * size, dst + c0 * dst_pitch + r0 * size
+            if streamed:
+                stream_transpose_block(block_src, src_pitch, block_dst, dst_pitch, like)
+            else:
+                transpose_block(block_src, src_pitch, block_dst, dst_pitch, like)
     if rows == 0 or cols == 0:
         return
     src_step, dst_step = src_pitch // size, dst_pitch // size
