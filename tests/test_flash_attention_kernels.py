@@ -11,7 +11,7 @@ from numba import njit
 
 from attngrad.kernels import flash_attention
 from attngrad.kernels.flash_attention import (_EDGE_ROWS, Gradients, Sequence, _backward_tasks, _chunk_bounds,
-                                              _dq_adds, _forward_tasks, _transposed, backward_chunks,
+                                              _contiguous_copy, _dq_adds, _forward_tasks, _transposed, backward_chunks,
                                               flash_attention_backward, flash_attention_forward)
 from attngrad.kernels.flash_attention_plan import FLT_MAX, MASKED_LOGIT, UNBOUNDED_TOKENS, AttentionPlan
 from attngrad.kernels.flash_attention_reference import (flash_attention_backward_reference,
@@ -211,6 +211,22 @@ def test_strided_views_and_preallocated_outputs_match_contiguous(dtype, n1, n2, 
     got = flash_attention_backward(sq_, sk, sv, sdy, *got, plan, dq=grads[0][0], dk=grads[1][0], dv=grads[2][0])
     for g, w, (view, buf) in zip(got[:3], want[:3], grads):
         assert g is view and _same(g, w, dtype) and _untouched(buf, view)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("s,d", [(300, 40), (64, 128), (7, 17)])
+def test_contiguous_copy_of_strided_inputs(monkeypatch, dtype, s, d, stream):
+    """:func:`_contiguous_copy`: C-contiguous copies in the input's dtype and widened to float32, equal to torch's
+    bit for bit, of a TND-like view (by the streaming kernel when ``stream``) and of one whose rows are not
+    unit-stride (by torch)."""
+    monkeypatch.setattr(flash_attention, "streams", lambda nbytes: stream)
+    tnd = torch.randn(s, 3, d).to(dtype)
+    column_major = torch.randn(1, 3, d, s).to(dtype).transpose(-1, -2)
+    for t in (tnd.transpose(0, 1).unsqueeze(0), column_major):
+        for target in (dtype, torch.float32):
+            got = _contiguous_copy(t, target)
+            assert got.is_contiguous() and got.dtype == target and torch.equal(got, t.to(target))
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -946,6 +946,28 @@ def _row_dot_kernel(dy, out, dr):
 
 
 @njit(**_KERNEL)
+def _copy_kernel(x, out, stream):
+    """out[b, n, s, :] = x[b, n, s, :] (out C-contiguous, of x's type or float32: widened; x's rows unit-stride,
+    any other strides), in tasks of 64 rows, each row written by :func:`.numeric.copy_row` (``stream``: around the
+    caches), a widened one from a row buffer of the task's."""
+    B, N, S, D = x.shape
+    rows, step = B * N * S, 4 * TRANSPOSE_BLOCK
+    for task in prange((rows + step - 1) // step):
+        buffer = aligned_empty((D,), np.float32)
+        for row in range(task * step, min(rows, task * step + step)):
+            b, n, i = _row_index(row, x)
+            if x.itemsize == out.itemsize:
+                copy_row(row_address(out, b, n, i), row_address(x, b, n, i), D * x.itemsize, stream)
+            else:
+                source = row_view(x, b, n, i)
+                for d in range(D):
+                    buffer[d] = widen(source[d])
+                copy_row(row_address(out, b, n, i), buffer.ctypes.data, D * 4, stream)
+        if stream:
+            stream_fence()
+
+
+@njit(**_KERNEL)
 def _transpose_kernel(x, out, stream):
     """out[b, n, d, s] = x[b, n, s, d] (out: unit-stride rows; x any strides), in tasks of ``stripe`` rows of one
     (b, n): by :func:`.numeric.transpose_matrix` where x's rows are unit-stride (``stream``: written around the
@@ -1418,8 +1440,20 @@ def _view(t: torch.Tensor, in_place: bool = False) -> np.ndarray:
     specialisation for any strides (:func:`.layouts.launch_strided`)."""
     unit_rows = t.stride(-1) == 1 or t.shape[-1] == 1
     if not (in_place and unit_rows and (t.shape[-2] == 1 or t.stride(-2) >= t.shape[-1])) and not t.is_contiguous():
-        t = new_output(t.shape, t.dtype).copy_(t)
+        t = _contiguous_copy(t, t.dtype)
     return kernel_view(t)
+
+
+def _contiguous_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A C-contiguous copy of t in ``dtype`` (t's own or float32) on :func:`.tensor_view.new_output` memory. One too
+    large for the caches (:func:`.numeric.streams`) of a ``[B, N, S, D]`` t with unit-stride rows is written by
+    :func:`_copy_kernel` with non-temporal stores (a varlen batch's TND rows), others by torch."""
+    out = new_output(t.shape, dtype)
+    if t.dim() == 4 and t.stride(-1) == 1 and streams(out.nbytes):
+        _copy_kernel(kernel_view(t), kernel_view(out), True)
+    else:
+        out.copy_(t)
+    return out
 
 
 def _unit_rows(t: torch.Tensor) -> torch.Tensor:
@@ -1610,7 +1644,7 @@ def _widened(plan: AttentionPlan, *tensors: torch.Tensor) -> tuple[torch.Tensor,
     call (docs/performance.md, 'Varlen on widened tiles')."""
     dtype = tensors[0].dtype
     widen = plan.widen_gemm or (dtype in CALIBRATED_DTYPES and gemm_path(dtype) == WIDENED)
-    return tuple(new_output(t.shape, torch.float32).copy_(t) for t in tensors) if widen else tensors
+    return tuple(_contiguous_copy(t, torch.float32) for t in tensors) if widen else tensors
 
 
 def _transposed(parts: tuple, packed: bool, like: torch.Tensor) -> np.ndarray:
