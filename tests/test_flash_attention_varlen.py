@@ -15,7 +15,7 @@ import torch
 
 import attngrad
 from attngrad import aclnn, npu
-from attngrad.kernels import gemm_paths
+from attngrad.kernels import flash_attention, gemm_paths
 from attngrad.kernels.flash_attention_plan import AttentionPlan, varlen_sparse_bands
 from attngrad.kernels.flash_attention_reference import (flash_attention_backward_reference,
                                                          flash_attention_forward_reference)
@@ -118,14 +118,18 @@ def test_golden_tnd_on_widened_tiles(layout, dtype, monkeypatch):
     check_golden(q, k, v, dy, 4, Q_LENS, KV_LENS, 0.25, layout)
 
 
-@pytest.mark.parametrize("dtype, path", [(d, None) for d in DTYPES]
-                         + [(d, gemm_paths.WIDENED) for d in (torch.float16, torch.bfloat16)])
-def test_each_batch_equals_bnsd_alone(dtype, path, monkeypatch):
+@pytest.mark.parametrize("dtype, path, stream", [(d, None, False) for d in DTYPES]
+                         + [(d, gemm_paths.WIDENED, False) for d in (torch.float16, torch.bfloat16)]
+                         + [(torch.float32, None, True), (torch.bfloat16, gemm_paths.WIDENED, True)])
+def test_each_batch_equals_bnsd_alone(dtype, path, stream, monkeypatch):
     """Batch b of the varlen call == the same problem through the BNSD path (bit for bit where the GEMMs'
     order does not depend on the operands' placement, :func:`helpers.same_up_to_gemm_order`), on this machine's
-    GEMM path and on widened tiles."""
+    GEMM path and on widened tiles; with ``stream`` the kernels' copies and packings are written as those too
+    large for the caches are (non-temporal stores)."""
     if path is not None:
         monkeypatch.setenv(gemm_paths.ENV, path)
+    if stream:
+        monkeypatch.setattr(flash_attention, "streams", lambda nbytes: True)
     q, k, v, dy = varlen_inputs(Q_LENS, KV_LENS, 4, 2, 32, 32, dtype, seed=3)
     out, smax, ssum, dq, dk, dv = run_both(q, k, v, dy, 4, Q_LENS, KV_LENS, 0.2, "TND")
     for q0, q1, k0, k1 in batch_rows(Q_LENS, KV_LENS):

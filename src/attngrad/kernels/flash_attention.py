@@ -667,13 +667,15 @@ def _pairs(x):
 
 
 @njit(inline="always")
-def _pack_transposed(x, b, n, j0, cols, out):
+def _pack_transposed(x, b, n, j0, cols, out, stream=False):
     """B operand of ``A x[b, n, j0:j0+cols]^T`` (:func:`.gemm.brgemm`), ``[D, cols]`` with row stride cols: float32
     plain (``out[d * cols + j] = x[.., j0+j, d]``), bfloat16 in VNNI pairs (one uint32 each):
     ``out[d2 * cols + j] = (x[.., j0+j, 2*d2], x[.., j0+j, 2*d2+1])``, i.e. x's rows read as uint32 pairs and
-    transposed. x's rows are unit-stride (kernel views from :func:`_view`, scratch rows)."""
+    transposed. x's rows are unit-stride (kernel views from :func:`_view`, scratch rows). ``stream``: as
+    :func:`.numeric.transpose_matrix` takes it."""
     width = x.shape[3] * x.itemsize // out.itemsize  # elements of out's type per row of x
-    transpose_matrix(row_address(x, b, n, j0), x.strides[2], out.ctypes.data, cols * out.itemsize, cols, width, out)
+    transpose_matrix(row_address(x, b, n, j0), x.strides[2], out.ctypes.data, cols * out.itemsize, cols, width, out,
+                     stream)
 
 
 @njit(inline="always")
@@ -722,12 +724,13 @@ def _pack_tile(t, rows, cols, out):
 
 
 @njit(**_KERNEL)
-def _pack_kv_kernel(k, v, kr, rope, kt, vt, table):
+def _pack_kv_kernel(k, v, kr, rope, kt, vt, table, stream):
     """K and V key blocks (``_FWD_BK`` keys of a sequence of ``table``) packed for the forward's brgemm:
     ``kt[b, n2, g]`` the B of QK^T (:func:`_pack_transposed`; with ``rope`` the B of ``[Q | Q_rope] [K |
     K_rope]^T``: K_rope^T's rows after K^T's, a single k_rope head serving every head) and, for bfloat16,
     ``vt[b, n2, g]`` the B of PV (:func:`_pack_rows`; a block with an odd column count is left out: MKL takes
-    it; float32 reads V in place); g counts the blocks of all sequences, sequence s's from ``table.rows[s, 4]``."""
+    it; float32 reads V in place); g counts the blocks of all sequences, sequence s's from ``table.rows[s, 4]``.
+    ``stream``: K^T written around the caches where it can (a varlen batch's, too large for them)."""
     B, N2 = k.shape[:2]
     blocks = kt.shape[2]
     starts = np.ascontiguousarray(table.rows[:, 4])
@@ -739,12 +742,14 @@ def _pack_kv_kernel(k, v, kr, rope, kt, vt, table):
         k0, k1 = table.rows[s, 2], table.rows[s, 3]
         j0 = (g - starts[s]) * _FWD_BK
         cols = min(_FWD_BK, k1 - k0 - j0)
-        _pack_transposed(k, b, n2, k0 + j0, cols, kt[b, n2, g])
+        _pack_transposed(k, b, n2, k0 + j0, cols, kt[b, n2, g], stream)
         if rope:
             rope_rows = kt[b, n2, g][k.shape[3] * cols // _per_packed(k, kt):]
-            _pack_transposed(kr, b, n2 if kr.shape[1] > 1 else 0, k0 + j0, cols, rope_rows)
+            _pack_transposed(kr, b, n2 if kr.shape[1] > 1 else 0, k0 + j0, cols, rope_rows, stream)
         if _pairs(v) and cols % 2 == 0:
             _pack_rows(v, b, n2, k0 + j0, cols, vt[b, n2, g])
+        if stream:
+            stream_fence()
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
@@ -1588,7 +1593,7 @@ def _forward_operands(q: torch.Tensor, qv: np.ndarray, kv: np.ndarray, vv: np.nd
     dr = rope[0].shape[3] if rope[2] and _use_brgemm(q, d, vv.shape[3], rope[0].shape[3]) else 0
     kt = _pooled((b, n2, blocks, _FWD_BK * (d + dr) // per), like.dtype)
     vt = _pooled((b, n2, blocks, _FWD_BK * vv.shape[3] // per), like.dtype) if per == 2 else placeholder
-    launch_strided(_pack_kv_kernel, kv, vv, rope[1], dr > 0, kt, vt, table, exact=(4, 5, 6))
+    launch_strided(_pack_kv_kernel, kv, vv, rope[1], dr > 0, kt, vt, table, streams(kt.nbytes), exact=(4, 5, 6))
     return ForwardOperands(qv, kv, vv, kt, vt, True, *rope)
 
 
