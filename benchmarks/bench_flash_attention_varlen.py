@@ -84,7 +84,8 @@ def _cases(lengths: list[int], dtype: torch.dtype) -> list[BenchCase]:
     flops = 4 * HEADS * HEAD_DIM * sum(s * s for s in lengths) * 0.5
     label = f"TND {len(lengths)} seqs {min(lengths)}..{max(lengths)} (T={total}) N{HEADS} D{HEAD_DIM} causal"
     grad = BenchCase(
-        op="FlashAttentionUnpaddingScoreGrad", dtype=dtype, label=label, flops=2.5 * flops, roofline=gemm_roofline(dtype),
+        op="FlashAttentionUnpaddingScoreGrad", dtype=dtype, label=label, flops=2.5 * flops,
+        roofline=gemm_roofline(dtype),
         impls={"attngrad varlen": lambda: varlen.run_backward(grad_problem),
                "attngrad BNSD one by one": one_by_one_backward,
                "torch sdpa flash (C++) padded": lambda: torch.autograd.grad(graph_out, leaves, padded[3],

@@ -229,13 +229,13 @@ def _transpose_block_codegen(like, stream: bool):
 
 
 transpose_block = _transpose_block(False)
-transpose_block.__doc__ = """``dst[c, r] = src[r, c]`` for a 16 x 16 block of like's element type (4 or 2 bytes): src and dst
-are integer addresses, the pitches their row strides in bytes. The 16 rows are loaded as vectors and transposed by
-64 shuffles (the off-diagonal blocks of sides 8, 4, 2, 1 swapped in turn), then stored: 6 vector instructions per
-row where an element-by-element copy takes 16 scalar loads and stores."""
+transpose_block.__doc__ = """``dst[c, r] = src[r, c]`` for a 16 x 16 block of like's element type (4 or 2
+bytes): src and dst are integer addresses, the pitches their row strides in bytes. The 16 rows are loaded as vectors
+and transposed by 64 shuffles (the off-diagonal blocks of sides 8, 4, 2, 1 swapped in turn), then stored: 6 vector
+instructions per row where an element-by-element copy takes 16 scalar loads and stores."""
 stream_transpose_block = _transpose_block(True)
-stream_transpose_block.__doc__ = """:func:`transpose_block` whose 16 rows of 64 bytes (float32) are written by non-temporal stores
-(see :func:`streams`): dst and dst_pitch must be multiples of 64."""
+stream_transpose_block.__doc__ = """:func:`transpose_block` whose 16 rows of 64 bytes (float32) are written by
+non-temporal stores (see :func:`streams`): dst and dst_pitch must be multiples of 64."""
 
 
 @njit(inline="always")
