@@ -118,6 +118,17 @@ def test_golden_tnd_on_widened_tiles(layout, dtype, monkeypatch):
     check_golden(q, k, v, dy, 4, Q_LENS, KV_LENS, 0.25, layout)
 
 
+@pytest.mark.parametrize("dtype, path", [(torch.float32, None), (torch.bfloat16, gemm_paths.WIDENED)])
+def test_golden_tnd_with_streamed_copies(dtype, path, monkeypatch):
+    """Every copy, transposed copy and packing written around the caches (non-temporal stores), as a batch too
+    large for them is, against the float64 reference; float32, and bf16 widened into float32 copies."""
+    if path is not None:
+        monkeypatch.setenv(gemm_paths.ENV, path)
+    monkeypatch.setattr(flash_attention, "streams", lambda nbytes: True)
+    q, k, v, dy = varlen_inputs(Q_LENS, KV_LENS, 4, 2, 32, 32, dtype)
+    check_golden(q, k, v, dy, 4, Q_LENS, KV_LENS, 0.25, "TND")
+
+
 @pytest.mark.parametrize("dtype, path, stream", [(d, None, False) for d in DTYPES]
                          + [(d, gemm_paths.WIDENED, False) for d in (torch.float16, torch.bfloat16)]
                          + [(torch.float32, None, True), (torch.bfloat16, gemm_paths.WIDENED, True)])
