@@ -561,12 +561,17 @@ def _row_keep_factors(plan, tile, r, f):
 
 @njit(inline="always")
 def _row_index(row, a):
-    """(b, n, i) of the row-th ``a[b, n, i, :]`` counted in a's memory order: heads inner where they lie closer
-    than the rows (a TND batch seen as BNSD), else rows inner (so a row loop streams through memory)."""
-    N, S = a.shape[1], a.shape[2]
-    if a.strides[1] < a.strides[2]:
-        return row // (N * S), row % N, (row // N) % S
-    return row // (N * S), (row // S) % N, row % S
+    """(b, n, i) of the row-th ``a[b, n, i, :]`` counted in a's memory order (:func:`_grid_index`)."""
+    return _grid_index(row, a.shape[1], a.shape[2], a.strides[1] < a.strides[2])
+
+
+@njit(inline="always")
+def _grid_index(index, N, S, heads_inner):
+    """(b, n, i) of the index-th cell of a ``[B, N, S]`` grid: heads inner (``heads_inner``: an array whose heads
+    lie closer than its rows, a TND batch seen as BNSD), else rows inner, so that a loop streams through memory."""
+    if heads_inner:
+        return index // (N * S), index % N, (index // N) % S
+    return index // (N * S), (index // S) % N, index % S
 
 
 @njit(inline="always")
@@ -734,10 +739,10 @@ def _pack_kv_kernel(k, v, kr, rope, kt, vt, table, stream):
     B, N2 = k.shape[:2]
     blocks = kt.shape[2]
     starts = np.ascontiguousarray(table.rows[:, 4])
-    for task in prange(B * N2 * blocks):
+    for task in prange(B * N2 * blocks):  # heads inner: a thread's tasks read a TND batch's K rows in memory order
         b = task // (N2 * blocks)
-        n2 = (task // blocks) % N2
-        g = task % blocks
+        g = (task // N2) % blocks
+        n2 = task % N2
         s = np.searchsorted(starts, g, side="right") - 1
         k0, k1 = table.rows[s, 2], table.rows[s, 3]
         j0 = (g - starts[s]) * _FWD_BK
@@ -980,8 +985,9 @@ def _transpose_kernel(x, out, stream):
     B, N, S, D = x.shape
     stripe = 4 * TRANSPOSE_BLOCK
     stripes = (S + stripe - 1) // stripe
-    for task in prange(B * N * stripes):
-        b, n, s0 = task // (N * stripes), task // stripes % N, task % stripes * stripe
+    for task in prange(B * N * stripes):  # in x's memory order
+        b, n, t = _grid_index(task, N, stripes, x.strides[1] < x.strides[2])
+        s0 = t * stripe
         rows = min(stripe, S - s0)
         if x.strides[3] == x.itemsize:
             transpose_matrix(row_address(x, b, n, s0), x.strides[2], row_address(out, b, n, 0) + s0 * out.itemsize,
