@@ -280,6 +280,17 @@ def test_compute_bound_cases_are_rated_against_their_roofline_scaled_by_the_tile
     assert halved["tiles_tflops_alongside"] == 0.75
 
 
+def test_the_rooflines_keep_the_better_of_two_tile_measurements(monkeypatch):
+    """The tiles' starting rate, the base of every scaled roofline, is timed before and after the other rooflines
+    and the better kept: a burst of load during one of them does not inflate the run's fractions."""
+    rates = iter([0.05, 1.5, 0.45, 0.3])  # fp32 then bf16 tiles, before and after
+    monkeypatch.setattr(gemm_paths, "tile_tflops", lambda dtype, threads, seconds: next(rates))
+    monkeypatch.setattr(bench, "best_time", lambda fn, repeat: 1.0)
+    r = bench.measure_rooflines(quick=True)
+    assert (r["gemm_fp32_tiles_tflops"], r["gemm_bf16_tiles_tflops"]) == (0.45, 1.5)
+    assert r["gemm_fp32_tflops"] == 0.45 and r["gemm_bf16_best_tflops"] == 1.5
+
+
 def test_time_case_evicts_the_caches_before_each_timed_call_of_a_memory_bound_case(monkeypatch):
     events = []
     monkeypatch.setattr(bench, "evict_caches", lambda: events.append("evict"))
