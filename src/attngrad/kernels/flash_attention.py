@@ -740,9 +740,7 @@ def _pack_kv_kernel(k, v, kr, rope, kt, vt, table, stream):
     blocks = kt.shape[2]
     starts = np.ascontiguousarray(table.rows[:, 4])
     for task in prange(B * N2 * blocks):  # heads inner: a thread's tasks read a TND batch's K rows in memory order
-        b = task // (N2 * blocks)
-        g = (task // N2) % blocks
-        n2 = task % N2
+        b, n2, g = _grid_index(task, N2, blocks, True)
         s = np.searchsorted(starts, g, side="right") - 1
         k0, k1 = table.rows[s, 2], table.rows[s, 3]
         j0 = (g - starts[s]) * _FWD_BK
