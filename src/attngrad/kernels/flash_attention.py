@@ -600,10 +600,19 @@ def _scratch(t):
 
 
 @njit(inline="always")
-def _dead_row(smax, b, n, i0, rows):
-    """True when a row of the block has the max of a fully masked row: exp(S - max) is then not 0 outside."""
+def _rows_from(a, r0):
+    """``a[:, :, r0:]`` of a C-contiguous ``[1, 1, R, W]`` array, still typed C-contiguous (a plain slice is typed
+    any-strided, and a function taking it would compile once more)."""
+    rows = a[0, 0, r0:]
+    return rows.reshape((1, 1) + rows.shape)
+
+
+@njit(inline="always")
+def _dead_row(maxima, rows):
+    """True when one of the row maxima ``maxima[:rows]`` is a fully masked row's: exp(S - max) is then not 0
+    outside the visible keys."""
     for r in range(rows):
-        if not smax[b, n, i0 + r] > _NEG:
+        if not maxima[r] > _NEG:
             return True
     return False
 
@@ -801,7 +810,7 @@ def _forward_block(ops, plan, b, n, i0, rows, allow_skip, work):
                 skipped = True
                 continue
             part_work = ForwardScratch(work.s[g0:], work.p[g0:], acc[g0:], work.m[g0:], work.l[g0:],
-                                       work.qq[:, :, g0:])
+                                       _rows_from(work.qq, g0))
             _forward_visible_tile(ops, plan, part_work, Tile(b, n, i0 + g0, part, j0, part_cols), n2, block,
                                   part_kind, False)
     return skipped
@@ -879,11 +888,12 @@ def _forward_task(ops, plan, out, smax, ssum, b, n, i0, work):
     m, l, acc = work.m, work.l, work.acc
     if _packed_rope(ops):
         _concatenate_rows(ops.q, ops.qr, b, n, n, i0, rows, work.qq)
-    if _forward_block(ops, plan, b, n, i0, rows, True, work) and not plan.invalid_rows:
-        for r in range(rows):  # a fully masked row sums exp(0) over ALL keys: redo without skipping
-            if not m[r] > _NEG:
-                _forward_block(ops, plan, b, n, i0, rows, False, work)
-                break
+    # once skipping keys, then (redo) over all keys where a row turned out fully masked: it sums exp(0) over ALL
+    # keys. ``not redo`` is a bool, not a bool literal: _forward_block compiles once for both passes
+    redo = False
+    while (_forward_block(ops, plan, b, n, i0, rows, not redo, work) and not redo and not plan.invalid_rows
+           and _dead_row(m, rows)):
+        redo = True
     if ops.packed:
         brgemm_release()
     for r in range(rows):
@@ -1260,7 +1270,7 @@ def _backward_visible_tile(ops, plan, grads, work, keys, packed, tile, n2, chunk
     visible keys (:func:`_visible_cols`) and skipped when none is, unless a row of it is fully masked (its P is
     then exp(0) / sum over all keys, :func:`_dead_row`)."""
     b, n, i0, rows, j0, cols = tile
-    dead = _dead_row(ops.smax, b, n, i0, rows)
+    dead = _dead_row(ops.smax[b, n, i0:], rows)
     if not dead:
         cols = _visible_cols(i0, rows, j0, cols, plan.nxt, plan.prefix[b])
         if cols == 0:
