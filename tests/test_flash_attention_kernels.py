@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
 import pytest
 import torch
@@ -17,6 +18,7 @@ from attngrad.kernels.flash_attention_plan import FLT_MAX, MASKED_LOGIT, UNBOUND
 from attngrad.kernels.flash_attention_reference import (flash_attention_backward_reference,
                                                         flash_attention_forward_reference)
 from attngrad.kernels.gemm import _gemm_for_test
+from attngrad.kernels.layouts import _strided as any_strides
 from attngrad.kernels.tensor_view import kernel_view
 from attngrad.precision import assert_close
 
@@ -363,3 +365,27 @@ def test_one_launch_of_sequences_equals_each_alone_with_dpse():
             assert got.shape == want_grad.shape and same_up_to_gemm_order(got, want_grad, dtype)
     assert (out[:, :, 40:45] == 7).all() and (smax[:, :, 75:] == 7).all() and (dq[:, :, 40:45] == 7).all()
     assert (dk[:, :, 50:55] == 7).all() and (dv[:, :, 60:] == 7).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_no_pse_a_dense_pse_and_alibi_share_one_kernel_specialisation(monkeypatch, dtype):
+    """An absent pse (and dpse) stands in as a placeholder of the query's dtype and the alibi slopes have a field of
+    their own, so a call without pse, one with a dense pse and its gradient and one with alibi slopes launch both
+    kernels with the same argument types (one compiled specialisation, not one per pse form)."""
+    launched = {"_forward_kernel": set(), "_backward_kernel": set()}
+    launch = flash_attention.launch_strided
+
+    def recording_launch(kernel, *args, exact=()):
+        if kernel.py_func.__name__ in launched:
+            launched[kernel.py_func.__name__].add(tuple(
+                numba.typeof(a) if i in exact else any_strides(numba.typeof(a)) for i, a in enumerate(args)))
+        return launch(kernel, *args, exact=exact)
+
+    monkeypatch.setattr(flash_attention, "launch_strided", recording_launch)
+    q, k, v, dy = attention_inputs("BNSD", 1, 2, 2, 24, 24, 16, 16, dtype)
+    dense, slopes = torch.randn(1, 2, 24, 24).to(dtype), torch.tensor([[0.5, 0.25]])
+    for plan in (AttentionPlan(scale=0.3), AttentionPlan(scale=0.3, pse_type=0, pse=dense),
+                 AttentionPlan(scale=0.3, pse_type=2, pse=slopes)):
+        stats = flash_attention_forward(q, k, v, plan)
+        flash_attention_backward(q, k, v, dy, *stats, plan, with_dpse=plan.pse_type == 0)
+    assert [len(types) for types in launched.values()] == [1, 1]

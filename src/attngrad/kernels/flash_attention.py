@@ -147,7 +147,8 @@ class KernelPlan(NamedTuple):
     """An :class:`AttentionPlan` as the kernels read it (:func:`_kernel_plan`); an absent array is a placeholder."""
 
     mask: np.ndarray  # bool/uint8 [Bm, Nm, Sq, Skv], read when has_mask
-    pse: np.ndarray  # dense [Bp, N1, Sp, Skv], compressed [Bp, N1, 1024, Skv] or float32 slopes [Bs, N1, 1, 1]
+    pse: np.ndarray  # dense [Bp, N1, Sp, Skv] or compressed [Bp, N1, 1024, Skv], read when pse_kind says so
+    slopes: np.ndarray  # float32 [Bs, N1, 1, 1]: the generated alibi's slopes (pse_type 2/3)
     prefix: np.ndarray  # int64 [B]: keys j < prefix[b] are visible whatever the band
     drop: np.ndarray  # uint8: the flat bit-packed keep mask, read when dropout
     pre: int  # the left-up band i - pre <= j <= i + nxt
@@ -174,7 +175,8 @@ def _unowned_plan(plan):
     """``plan`` with :func:`.numeric.unowned` views of its arrays: the tile functions pass the plan to their row
     helpers, which otherwise took an atomic reference count on each of its arrays per row (and the arrays are
     shared by every thread)."""
-    return KernelPlan(unowned(plan.mask), unowned(plan.pse), unowned(plan.prefix), unowned(plan.drop), plan.pre,
+    return KernelPlan(unowned(plan.mask), unowned(plan.pse), unowned(plan.slopes), unowned(plan.prefix),
+                      unowned(plan.drop), plan.pre,
                       plan.nxt, plan.has_mask, plan.pse_kind, plan.pse_first, plan.shift, plan.dropout, plan.dpse,
                       plan.invalid_rows, plan.n1, plan.sq, plan.skv, plan.scale, plan.keep_factor,
                       unowned(plan.probs_like), unowned(plan.sink), plan.has_sink)
@@ -194,7 +196,7 @@ class Sequence(NamedTuple):
 
 _PLAN_INTS = ("pre", "nxt", "has_mask", "pse_kind", "pse_first", "shift", "dropout", "dpse", "invalid_rows", "n1",
               "sq", "skv")  # the KernelPlan fields a sequence sets (the others are common to a launch)
-_PLAN_ARRAYS = ("mask", "pse", "prefix", "drop")
+_PLAN_ARRAYS = ("mask", "pse", "slopes", "prefix", "drop")
 _MAX_RANK = 5
 
 
@@ -338,8 +340,8 @@ def _sequence_plan(plan, table, s):
     """Sequence s's :class:`KernelPlan`: its own fields (``_PLAN_INTS``, ``_PLAN_ARRAYS``) from the table, the
     launch's common ones (scale, dropout factor, rounding type, sink) from ``plan``."""
     v, a = table.ints[s], table.arrays[s]
-    return KernelPlan(_table_array(plan.mask, a[0]), _table_array(plan.pse, a[1]), _table_array(plan.prefix, a[2]),
-                      _table_array(plan.drop, a[3]), v[0], v[1], v[2] != 0, v[3], v[4] != 0, v[5], v[6] != 0,
+    return KernelPlan(_table_array(plan.mask, a[0]), _table_array(plan.pse, a[1]), _table_array(plan.slopes, a[2]),
+                      _table_array(plan.prefix, a[3]), _table_array(plan.drop, a[4]), v[0], v[1], v[2] != 0, v[3], v[4] != 0, v[5], v[6] != 0,
                       v[7] != 0, v[8] != 0, v[9], v[10], v[11], plan.scale, plan.keep_factor, plan.probs_like,
                       plan.sink, plan.has_sink)
 
@@ -413,11 +415,11 @@ def _alibi_terms(tile, plan):
     ``d = j - i + shift = j0 - i0 - (rows - 1) + shift + u``, so row r of the tile reads ``t[rows - 1 - r:]``;
     see docs/cann-semantics.md, 'Position shift (pse)'."""
     b, n, i0, rows, j0, cols = tile
-    pse = plan.pse
+    slopes = plan.slopes
     if plan.pse_kind < _PSE_ALIBI:
         return aligned_empty((0,), np.float32)
     out = aligned_empty((rows + cols,), np.float32)
-    slope = widen(pse[b if pse.shape[0] > 1 else 0, n, 0, 0])
+    slope = slopes[b if slopes.shape[0] > 1 else 0, n, 0, 0]
     d0 = np.float32(j0 - i0 - (rows - 1) + plan.shift)  # float32 sums of integers: exact below 2^24, and they vectorise
     for u in range(rows + cols):
         dist = abs(d0 + np.float32(np.int32(u)))
@@ -1349,8 +1351,9 @@ def _sequence_gradients(grads, table, s):
     from the table."""
     k0, k1 = table.rows[s, 2], table.rows[s, 3]
     arrays = table.arrays[s]
-    return Gradients(_table_array(grads.dq_acc, arrays[4]), _table_array(grads.dq_written, arrays[5]),
-                     grads.dk[:, :, k0:k1], grads.dv[:, :, k0:k1], _table_array(grads.dpse, arrays[6]),
+    e = len(_PLAN_ARRAYS)  # the backward's arrays follow the plan's
+    return Gradients(_table_array(grads.dq_acc, arrays[e]), _table_array(grads.dq_written, arrays[e + 1]),
+                     grads.dk[:, :, k0:k1], grads.dv[:, :, k0:k1], _table_array(grads.dpse, arrays[e + 2]),
                      grads.dkr[:, :, k0:k1])
 
 
@@ -1491,25 +1494,30 @@ def _pse_kind(plan: AttentionPlan) -> int:
     return _PSE_COMPRESSED if plan.pse_compressed else _PSE_DENSE
 
 
+def _placeholder(like: torch.Tensor) -> np.ndarray:
+    """A [1, 1, 1, 1] kernel array of like's dtype for an absent pse or dpse: a call without one then compiles to
+    the same types as a call with one (a dense pse and its gradient have the query's dtype)."""
+    return kernel_view(like.new_zeros(1, 1, 1, 1))
+
+
 def _kernel_plan(plan: AttentionPlan, q: torch.Tensor, sq: int, skv: int, dpse: bool = False) -> KernelPlan:
     """The plan of a sequence of sq x skv scores as the kernels take it (placeholders for absent arrays; Python
     ints and bools, float32 scalars, C-contiguous arrays, so every plan compiles to the same argument type). q:
-    the input before widening (its dtype is the one P and dS are rounded to with ``plan.round_probs``)."""
+    the input before widening: its dtype is the one P and dS are rounded to with ``plan.round_probs``, and that
+    of an absent pse's placeholder (:func:`_placeholder`)."""
     b, n1 = q.shape[:2]
     mask = plan.atten_mask
     mask = np.zeros((1, 1, 1, 1), np.uint8) if mask is None else _view(mask)
-    if plan.pse is None:
-        pse = np.zeros((1, 1, 1, 1), np.float32)
-    elif plan.pse_type in (2, 3):
-        pse = plan.pse.float().reshape(plan.pse.shape[0], plan.pse.shape[1], 1, 1).numpy()
-    else:
-        pse = _view(plan.pse)
+    alibi = plan.pse is not None and plan.pse_type in (2, 3)
+    pse = _placeholder(q) if plan.pse is None or alibi else _view(plan.pse)
+    slopes = (plan.pse.float().reshape(plan.pse.shape[0], plan.pse.shape[1], 1, 1).numpy() if alibi
+              else np.zeros((1, 1, 1, 1), np.float32))
     prefix = np.zeros(b, np.int64) if plan.prefix is None else np.asarray(plan.prefix, np.int64)
     drop = (plan.drop_mask.reshape(-1).contiguous().numpy() if plan.has_dropout
             else np.zeros(1, np.uint8))
     scale = np.array([plan.scale], np.float32)[0]  # (an out-of-range scale becomes inf without a warning)
     sink = np.zeros(1, np.float32) if plan.sink is None else plan.sink.detach().float().contiguous().numpy()
-    return KernelPlan(mask, pse, prefix, drop, pre=int(plan.pre_tokens), nxt=int(plan.next_tokens),
+    return KernelPlan(mask, pse, slopes, prefix, drop, pre=int(plan.pre_tokens), nxt=int(plan.next_tokens),
                       has_mask=plan.atten_mask is not None, pse_kind=_pse_kind(plan),
                       pse_first=bool(plan.pse_type == 1), shift=int(plan.kv_start_idx - plan.q_start_idx),
                       dropout=bool(plan.has_dropout), dpse=bool(dpse), invalid_rows=bool(plan.invalid_rows),
@@ -1585,7 +1593,7 @@ def _pack_like(q: torch.Tensor) -> np.ndarray:
 def _rope_views(q: torch.Tensor, rope: tuple | None, in_place: bool) -> tuple[np.ndarray, np.ndarray, bool]:
     """``(q_rope, k_rope, rope)`` kernel views of the rope parts (BNSD), or placeholders of q's type."""
     if rope is None:
-        placeholder = kernel_view(q.new_zeros(1, 1, 1, 1))
+        placeholder = _placeholder(q)
         return placeholder, placeholder, False
     return (*(_view(t, in_place) for t in rope), True)
 
@@ -1671,7 +1679,7 @@ def _transposed(parts: tuple, packed: bool, like: torch.Tensor) -> np.ndarray:
     operand of the backward's dK (``[Q | Q_rope]^T``) and dV (dY^T) brgemm (``packed``, :func:`_use_brgemm`), else a
     placeholder of like's type."""
     if not packed:
-        return kernel_view(like.new_zeros(1, 1, 1, 1))
+        return _placeholder(like)
     B, N, S = parts[0].shape[:3]
     out = kernel_view(new_output((B, N, sum(t.shape[3] for t in parts), S), parts[0].dtype))
     d0 = 0
@@ -1829,7 +1837,7 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     width = D + (qr.shape[3] if has_rope else 0)
     dq_accs, dq_written = _dq_slices([(chunks, B, N1, seq.q1 - seq.q0, width)
                                       for seq, (_, chunks) in zip(sequences, splits)])
-    dpse = _dpse_targets(sequences, B) if want_dpse else [(None, np.zeros((1, 1, 1, 1), np.float32))] * len(sequences)
+    dpse = _dpse_targets(sequences, B) if want_dpse else [(None, _placeholder(dq))] * len(sequences)
     dkr = np.empty((B, N2, Skv, width - D) if has_rope else (1, 1, 1, 1), np.float32)
     table = _sequence_table(sequences, kplans, _BK, (dq_accs, dq_written, [a for _, a in dpse]),
                             [batch_tasks for batch_tasks, _ in splits])
