@@ -341,9 +341,9 @@ def _sequence_plan(plan, table, s):
     launch's common ones (scale, dropout factor, rounding type, sink) from ``plan``."""
     v, a = table.ints[s], table.arrays[s]
     return KernelPlan(_table_array(plan.mask, a[0]), _table_array(plan.pse, a[1]), _table_array(plan.slopes, a[2]),
-                      _table_array(plan.prefix, a[3]), _table_array(plan.drop, a[4]), v[0], v[1], v[2] != 0, v[3], v[4] != 0, v[5], v[6] != 0,
-                      v[7] != 0, v[8] != 0, v[9], v[10], v[11], plan.scale, plan.keep_factor, plan.probs_like,
-                      plan.sink, plan.has_sink)
+                      _table_array(plan.prefix, a[3]), _table_array(plan.drop, a[4]), v[0], v[1], v[2] != 0, v[3],
+                      v[4] != 0, v[5], v[6] != 0, v[7] != 0, v[8] != 0, v[9], v[10], v[11], plan.scale,
+                      plan.keep_factor, plan.probs_like, plan.sink, plan.has_sink)
 
 
 def _operand(v, like, tile):  # pragma: no cover - compiled through the overload below
