@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
 import pytest
 import torch
@@ -18,7 +17,7 @@ from attngrad.kernels.flash_attention_plan import FLT_MAX, MASKED_LOGIT, UNBOUND
 from attngrad.kernels.flash_attention_reference import (flash_attention_backward_reference,
                                                         flash_attention_forward_reference)
 from attngrad.kernels.gemm import _gemm_for_test
-from attngrad.kernels.layouts import _strided as any_strides
+from attngrad.kernels.layouts import strided_signature
 from attngrad.kernels.tensor_view import kernel_view
 from attngrad.precision import assert_close
 
@@ -377,8 +376,7 @@ def test_no_pse_a_dense_pse_and_alibi_share_one_kernel_specialisation(monkeypatc
 
     def recording_launch(kernel, *args, exact=()):
         if kernel.py_func.__name__ in launched:
-            launched[kernel.py_func.__name__].add(tuple(
-                numba.typeof(a) if i in exact else any_strides(numba.typeof(a)) for i, a in enumerate(args)))
+            launched[kernel.py_func.__name__].add(strided_signature(args, exact))
         return launch(kernel, *args, exact=exact)
 
     monkeypatch.setattr(flash_attention, "launch_strided", recording_launch)

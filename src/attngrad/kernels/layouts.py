@@ -41,17 +41,22 @@ def _strided(ty: types.Type) -> types.Type:
 _entry_points: dict = {}
 
 
+def strided_signature(args: tuple, exact: tuple[int, ...] = ()) -> tuple:
+    """The numba signature :func:`launch_strided` compiles for ``args``: every array typed ``'A'`` (also inside tuples
+    and namedtuples) except the arguments at the positions in ``exact``, typed as numba types them."""
+    return tuple(typeof(a) if i in exact else _strided(typeof(a)) for i, a in enumerate(args))
+
+
 def launch_strided(kernel, *args, exact: tuple[int, ...] = ()):
-    """Call the numba dispatcher ``kernel`` with the arrays of every argument typed ``'A'`` (also inside tuples and
-    namedtuples) except the arguments at the positions in ``exact``, typed as numba types them: one specialisation
-    per combination of dtypes whatever the layouts. For kernels that loop over rows through C-contiguous row views
-    (:func:`.numeric.array_at`): their results then do not depend on the typing. A new specialisation compiles in
-    a child process and loads from numba's disk cache (:func:`.child_compile.compile_cached`)."""
+    """Call the numba dispatcher ``kernel`` compiled for :func:`strided_signature` of its arguments: one
+    specialisation per combination of dtypes whatever the layouts. For kernels that loop over rows through
+    C-contiguous row views (:func:`.numeric.array_at`): their results then do not depend on the typing. A new
+    specialisation compiles in a child process and loads from numba's disk cache
+    (:func:`.child_compile.compile_cached`)."""
     key = (kernel, exact, *map(compute_fingerprint, args))  # numba's own type key of a value: a microsecond
     entry = _entry_points.get(key)
     if entry is None:
-        signature = tuple(typeof(a) if i in exact else _strided(typeof(a)) for i, a in enumerate(args))
-        entry = _entry_points[key] = compile_cached(kernel, signature)
+        entry = _entry_points[key] = compile_cached(kernel, strided_signature(args, exact))
     return entry(*args)
 
 
