@@ -469,6 +469,7 @@ def _target_has(feature: str) -> bool:
 
 
 HAS_F16C = _target_has("f16c")
+HAS_AVX512F = _target_has("avx512f")
 HAS_AVX512_BF16 = _target_has("avx512bf16")
 HAS_AVX512_FP16 = _target_has("avx512fp16")
 

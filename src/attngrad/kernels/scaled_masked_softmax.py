@@ -15,8 +15,10 @@ Rows are independent; ``prange`` runs over fixed blocks of ``_ROWS_PER_TASK`` ro
 the same instructions for any thread count (bit-identical results). Each row is read from memory once and
 written once:
 
-* within a block the rows are software-pipelined: one loop reads row ``k + 1``, computes row ``k`` (exp, or the
-  gradient) and writes row ``k - 1``, so the memory streams run while the core computes (:func:`_pipelined_loop`);
+* within a block the rows are software-pipelined, so the memory streams run while the core computes: the
+  backward reads row ``k + 1`` in the loop that computes row ``k``; the forward reads row ``k + 1``, computes row
+  ``k`` (exp) and writes row ``k - 1`` in one loop with AVX-512 (:func:`_pipelined_loop`), in one loop per stage
+  with AVX2 (``_ONE_LOOP_STAGES``), while the row after next is prefetched;
 * a row is rounded into a row buffer (on cache lines: ``numeric.aligned_empty``) and copied out, by non-temporal
   stores when the output is large (:func:`.numeric.streams`);
 * the forward prefetches the input row after next into the level 2 cache, because the hardware prefetchers stop
@@ -45,14 +47,18 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from .layouts import strided_layout
-from .numeric import (FASTMATH, FLOAT16_GRID_LIMIT, HAS_AVX512_FP16, NO_POSITIVE, aligned_empty, array_at, copy_row,
-                      exp_nonpositive, float16_grid, fmax_any_nan, narrow, narrow_fast, narrow_finite, narrow_ftz_exact,
-                      ordered_mul, prefer_512_bit_vectors, prefetch_bytes, row_address, row_view, stream_fence,
-                      track_flushable, track_nan, widen)
+from .numeric import (FASTMATH, FLOAT16_GRID_LIMIT, HAS_AVX512_FP16, HAS_AVX512F, NO_POSITIVE, aligned_empty, array_at,
+                      copy_row, exp_nonpositive, float16_grid, fmax_any_nan, narrow, narrow_fast, narrow_finite,
+                      narrow_ftz_exact, ordered_mul, prefer_512_bit_vectors, prefetch_bytes, row_address, row_view,
+                      stream_fence, track_flushable, track_nan, widen)
 from .threads import on_torch_threads
 
 MASK_VALUE = np.float32(-10000.0)  # CANN fills masked logits with -10000, not -inf
 _ROWS_PER_TASK = 64
+# The forward's three row stages in one loop (:func:`_pipelined_loop`) on targets with AVX-512's 32 vector
+# registers; with AVX2's 16 that loop reloads its constants from memory on every pass and three loops, one per
+# stage, are faster (docs/performance.md, 'What limits each operator')
+_ONE_LOOP_STAGES = HAS_AVX512F
 
 
 @intrinsic
@@ -317,24 +323,23 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
         top = top_next
         top_next = np.float32(-np.inf)
         row_nxt, row_after = _row_of(b2, n2, s2, mask), _row(r + 2, N, S1, mask)
-        if r > first and r + 1 < last:
-            # float32: row r + 2 in two halves; the whole row at once (80 lines with its mask) held up this
-            # loop's own loads
-            split = S2 // 2 if x.itemsize == 4 else S2
-            _prefetch_columns(x, mask, row_after, r + 2 < last, 0, split)
+        # float32: row r + 2 in two halves, around this row's loads; the whole row at once (80 lines with its
+        # mask) held up those loads
+        split = S2 // 2 if x.itemsize == 4 else S2
+        _prefetch_columns(x, mask, row_after, r + 2 < last, 0, split)
+        if _ONE_LOOP_STAGES and r > first and r + 1 < last:
             xr, mr = _logit_rows(x, mask, row_nxt, scratch)
             total, top_next, tiny = _pipelined_row(xr, mr, scale, round_scaled, bufs, (cur, nxt, prv), top, inv,
                                                    out, y, fast)
             top_next = _checked_top(top_next, xr, mr, scale, round_scaled, bufs, nxt)
-            if split < S2:
-                _prefetch_columns(x, mask, row_after, r + 2 < last, split, S2)
-        else:  # first and last row of the block: the three stages one after the other
-            _prefetch_columns(x, mask, row_after, r + 2 < last, 0, S2)
+            _prefetch_columns(x, mask, row_after, r + 2 < last, split, S2)
+        else:  # the three stages one after the other (always the block's first and last rows)
             if r > first:
                 _round_row(bufs, prv, inv, out, y, fast)
             if r + 1 < last:
                 xr, mr = _logit_rows(x, mask, row_nxt, scratch)
                 top_next = _load_checked_row(xr, mr, scale, round_scaled, bufs, nxt)
+            _prefetch_columns(x, mask, row_after, r + 2 < last, split, S2)
             total, tiny = _exp_row(bufs, cur, top, y)
         if r > first:
             _put_row(y, y_address, _row_of(b0, n0, s0, mask), out, out_address, stream)
