@@ -9,9 +9,9 @@ import torch
 from numba import njit
 
 from attngrad import scaled_masked_softmax
-from attngrad.kernels.numeric import FLOAT16_GRID_LIMIT, HAS_AVX512_FP16, narrow, widen
-from attngrad.kernels.scaled_masked_softmax import (_rounded_product, scaled_masked_softmax_backward,
-                                                   scaled_masked_softmax_forward)
+from attngrad.kernels.numeric import FLOAT16_GRID_LIMIT, narrow, widen
+from attngrad.kernels.scaled_masked_softmax import (_FLOAT16_GRID_SCALING, _rounded_product,
+                                                   scaled_masked_softmax_backward, scaled_masked_softmax_forward)
 from attngrad.kernels.tensor_view import kernel_view
 from attngrad.kernels.scaled_masked_softmax_reference import (scaled_masked_softmax_backward_reference,
                                                              scaled_masked_softmax_reference)
@@ -30,19 +30,19 @@ def _products(x, scale):
 @pytest.mark.parametrize("scale", [0.5, 0.1, 3.0, 1e-3, 300.0, -0.125])
 def test_fp16_product_is_the_rounded_fp32_product_for_every_fp16(scale):
     # every float16 bit pattern (subnormals, inf, nan included): the kernel's float16 product equals x * scale
-    # computed exactly in float32 and rounded to float16 once, except where that overflows: without AVX512-FP16
-    # the product stays finite there (numeric.float16_grid), and the kernel checks each row's max for it
+    # computed exactly in float32 and rounded to float16 once, except where that overflows and the kernel rounds
+    # by numeric.float16_grid: the product stays finite there, and the kernel checks each row's max for it
     x = np.arange(-32768, 32768, dtype=np.int64).astype(np.int16)
     s = np.float32(torch.tensor(scale, dtype=torch.float16).item())
     fast, slow = _products(x, s)
     nan = np.isnan(slow)
     overflow = np.isinf(slow) & np.isfinite(torch.from_numpy(x).view(torch.float16).float().numpy())
     assert overflow.any() == (abs(scale) > 1)
-    exact = ~nan & ~overflow if not HAS_AVX512_FP16 else ~nan
+    exact = ~nan & ~overflow if _FLOAT16_GRID_SCALING else ~nan
     assert np.array_equal(np.isnan(fast), nan)
     # + 0 turns -0.0 into +0.0: the grid's zeros may carry either sign (no softmax sees the difference)
     assert np.array_equal((fast[exact] + 0).view(np.int32), (slow[exact] + 0).view(np.int32))
-    if not HAS_AVX512_FP16:
+    if _FLOAT16_GRID_SCALING:
         assert np.isfinite(fast[overflow]).all() and (np.abs(fast[overflow]) >= FLOAT16_GRID_LIMIT).all()
 
 

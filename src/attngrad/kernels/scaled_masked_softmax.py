@@ -27,8 +27,8 @@ written once:
 * the bf16/fp16 forward is compute-bound, so its row loop is kept short: ``exp_nonpositive`` (no overflow
   clamp, 2**n built from the rounding of the argument reduction, a degree-4 polynomial for bf16/fp16 outputs),
   a one-``vmaxps`` row max (``numeric.fmax_any_nan``), the fp16 scaling as one float16 multiply with
-  AVX512-FP16, else by ``numeric.float16_grid`` without conversions (a row whose max says that a product
-  may have overflowed is loaded again by conversions: :func:`_checked_top`), and bf16
+  AVX512-FP16, by the F16C conversions with AVX2, else by ``numeric.float16_grid`` without conversions (a row
+  whose max says that a product may have overflowed is loaded again by conversions: :func:`_checked_top`), and bf16
   rounding by ``narrow_fast`` (the one-instruction ``narrow_ftz`` with AVX512-BF16, else the integer rounding
   without its nan test) when it is exact for the row: no output is a nan (a row of nans has a nan sum) and, with
   ``narrow_ftz``, none is a float32 subnormal (the exp loop tracks the row's smallest positive exp for that test,
@@ -47,10 +47,10 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 from .layouts import strided_layout
-from .numeric import (FASTMATH, FLOAT16_GRID_LIMIT, HAS_AVX512_FP16, HAS_AVX512F, NO_POSITIVE, aligned_empty, array_at,
-                      copy_row, exp_nonpositive, float16_grid, fmax_any_nan, narrow, narrow_fast, narrow_finite,
-                      narrow_ftz_exact, ordered_mul, prefer_512_bit_vectors, prefetch_bytes, row_address, row_view,
-                      stream_fence, track_flushable, track_nan, widen)
+from .numeric import (FASTMATH, FLOAT16_GRID_LIMIT, HAS_AVX512_FP16, HAS_AVX512F, HAS_F16C, NO_POSITIVE, aligned_empty,
+                      array_at, copy_row, exp_nonpositive, float16_grid, fmax_any_nan, narrow, narrow_fast,
+                      narrow_finite, narrow_ftz_exact, ordered_mul, prefer_512_bit_vectors, prefetch_bytes,
+                      row_address, row_view, stream_fence, track_flushable, track_nan, widen)
 from .threads import on_torch_threads
 
 MASK_VALUE = np.float32(-10000.0)  # CANN fills masked logits with -10000, not -inf
@@ -77,10 +77,17 @@ def _f16_mul(typingctx, h, s):
     return types.float32(h, s), codegen
 
 
+# float16 x * scale without AVX512-FP16: by the F16C conversions on AVX2 targets, where they are faster; by
+# numeric.float16_grid on AVX-512 ones, where they were slower, and without F16C (docs/performance.md, 'What
+# limits each operator')
+_FLOAT16_GRID_SCALING = not HAS_AVX512_FP16 and (HAS_AVX512F or not HAS_F16C)
+
+
 def _rounded_product(x, scale, like):  # pragma: no cover - compiled through the overload below
     """x * scale rounded to the element type of ``like``, as float32 (CANN's fp16 path scales in fp16). float16:
-    one float16 multiply with AVX512-FP16, else ``numeric.float16_grid`` of the float32 product (exact: the
-    product of two float16 values is), which misses float16 overflow (:func:`_checked_top`)."""
+    one float16 multiply with AVX512-FP16, else with ``_FLOAT16_GRID_SCALING`` ``numeric.float16_grid`` of the
+    float32 product (exact: the product of two float16 values is), which misses float16 overflow
+    (:func:`_checked_top`), else the float16 conversions."""
     raise NotImplementedError
 
 
@@ -88,7 +95,7 @@ def _rounded_product(x, scale, like):  # pragma: no cover - compiled through the
 def _rounded_product_impl(x, scale, like):
     if x == types.int16 and HAS_AVX512_FP16:
         return lambda x, scale, like: _f16_mul(x, scale)
-    if x == types.int16:
+    if x == types.int16 and _FLOAT16_GRID_SCALING:
         return lambda x, scale, like: float16_grid(widen(x) * scale)
     return lambda x, scale, like: widen(narrow(widen(x) * scale, like))
 
@@ -204,7 +211,7 @@ def _checked_top(top, xr, mr, scale, round_scaled, bufs, k):
     ``numeric.float16_grid`` may have overflowed in a way that changes the row (the max outside
     [``_GRID_TOP_LOW``, ``FLOAT16_GRID_LIMIT``), or a nan), the max of the row loaded again by the float16
     conversion (:func:`_load_row` with ``exact``)."""
-    if round_scaled and not HAS_AVX512_FP16 and not _GRID_TOP_LOW <= top < FLOAT16_GRID_LIMIT:
+    if round_scaled and _FLOAT16_GRID_SCALING and not _GRID_TOP_LOW <= top < FLOAT16_GRID_LIMIT:
         return _load_row(xr, mr, scale, round_scaled, True, bufs, k)
     return top
 
