@@ -941,14 +941,22 @@ def _forward_kernel(ops, plan, out, smax, ssum, table, tasks, workers):
     (:func:`.threads.claim`; :func:`_forward_tasks`)."""
     next_task = np.zeros(1, np.int64)
     for _ in prange(workers):
-        work = _forward_scratch(ops)
+        _forward_worker(ops, plan, out, smax, ssum, table, tasks, next_task)
+
+
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
+def _forward_worker(ops, plan, out, smax, ssum, table, tasks, next_task):
+    """One thread of :func:`_forward_kernel`: claims tasks from ``next_task`` until none is left. A function of its
+    own rather than the body of the ``prange`` loop: numba's parallel passes then see one call, not the inlined
+    task code, and compile the kernel in a fraction of the time."""
+    work = _forward_scratch(ops)
+    t = claim(next_task)
+    while t < tasks.shape[0]:
+        s = tasks[t, 0]
+        q0, q1 = table.rows[s, 0], table.rows[s, 1]
+        _forward_task(_forward_sequence(ops, table, s), _sequence_plan(plan, table, s), out[:, :, q0:q1],
+                      smax[:, :, q0:q1], ssum[:, :, q0:q1], tasks[t, 1], tasks[t, 2], tasks[t, 3], work)
         t = claim(next_task)
-        while t < tasks.shape[0]:
-            s = tasks[t, 0]
-            q0, q1 = table.rows[s, 0], table.rows[s, 1]
-            _forward_task(_forward_sequence(ops, table, s), _sequence_plan(plan, table, s), out[:, :, q0:q1],
-                          smax[:, :, q0:q1], ssum[:, :, q0:q1], tasks[t, 1], tasks[t, 2], tasks[t, 3], work)
-            t = claim(next_task)
 
 
 @njit(**_KERNEL)
@@ -1400,20 +1408,26 @@ def _backward_kernel(ops, plan, grads, pack_like, table, tasks, workers):
     order, one at a time to ``workers`` threads (:func:`.threads.claim`; :func:`_backward_tasks`); a task runs
     :func:`_backward_task` with the sequence's batch_tasks (1: a batch-broadcast dpse is summed over b in one
     task). ``pack_like``: an array of the packed operands' element type."""
-    D, Dv = ops.k.shape[3], ops.v.shape[3]
     next_task = np.zeros(1, np.int64)
     for _ in prange(workers):
-        work = _backward_scratch(ops.q, D, Dv, ops.qr.shape[3] if ops.rope else 0, ops.packed, pack_like,
-                                 plan.probs_like)
+        _backward_worker(ops, plan, grads, pack_like, table, tasks, next_task)
+
+
+@njit(fastmath=FASTMATH, cache=True, nogil=True)
+def _backward_worker(ops, plan, grads, pack_like, table, tasks, next_task):
+    """One thread of :func:`_backward_kernel`: claims tasks from ``next_task`` until none is left (a function of its
+    own for the reason given at :func:`_forward_worker`)."""
+    work = _backward_scratch(ops.q, ops.k.shape[3], ops.v.shape[3], ops.qr.shape[3] if ops.rope else 0, ops.packed,
+                             pack_like, plan.probs_like)
+    t = claim(next_task)
+    while t < tasks.shape[0]:
+        s = tasks[t, 0]
+        _backward_task(_backward_operands(ops, table, s), _sequence_plan(plan, table, s),
+                       _sequence_gradients(grads, table, s), work, tasks[t, 1], table.rows[s, 5], tasks[t, 2],
+                       tasks[t, 3], tasks[t, 4], tasks[t, 5])
         t = claim(next_task)
-        while t < tasks.shape[0]:
-            s = tasks[t, 0]
-            _backward_task(_backward_operands(ops, table, s), _sequence_plan(plan, table, s),
-                           _sequence_gradients(grads, table, s), work, tasks[t, 1], table.rows[s, 5], tasks[t, 2],
-                           tasks[t, 3], tasks[t, 4], tasks[t, 5])
-            t = claim(next_task)
-        if ops.packed:
-            brgemm_release()
+    if ops.packed:
+        brgemm_release()
 
 
 @njit(inline="always")
