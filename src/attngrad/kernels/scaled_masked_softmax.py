@@ -307,7 +307,7 @@ def _fast_exact(tiny, inv):
     return inv == inv and narrow_ftz_exact(tiny, inv)
 
 
-@njit(inline="always", fastmath=FASTMATH)
+@njit(fastmath=FASTMATH, cache=True)
 def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scratch, stream):
     """Softmax of rows [first, last): three fp32 row buffers ``bufs[0..2]`` rotate (loaded, exponentiated,
     stored); a stored row is rounded into ``out`` and copied to y (:func:`_put_row`). x and the mask are read
@@ -315,7 +315,9 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
     flight are (b0, n0, s0) .. (b2, n2, s2), advanced by :func:`_next_row`. The row after next is prefetched: a
     float32 row of 1024 is one 4 KiB page, where the hardware prefetchers stop, so without it each row would start
     with a cold stream. Its (b, n, s) come from r by :func:`_row`, which was faster than carrying them through the
-    loop as a fourth row (docs/performance.md, 'The prefetched row's index')."""
+    loop as a fourth row (docs/performance.md, 'The prefetched row's index'). Compiled on its own, not inlined
+    into the kernel's ``prange`` loop, whose parallel passes are slow on a large body (docs/performance.md, 'Test
+    suite time')."""
     N, S1, S2 = x.shape[1], x.shape[2], x.shape[3]
     y_address, out_address = y.ctypes.data, out.ctypes.data
     b1, n1, s1, _, _ = _row(first, N, S1, mask)
@@ -415,12 +417,12 @@ def _put_grad(gr, yr, mr, j, acc, scale, row_out, probe):
     return track_nan(probe, g, row_out)
 
 
-@njit(inline="always", fastmath=FASTMATH)
+@njit(fastmath=FASTMATH, cache=True)
 def _backward_block(grad_output, y, mask, scale, out, first, last, row_out, scratch, stream):
     """Gradient of rows [first, last): the row sum of row r + 1 is taken while row r is rounded into
     ``row_out`` (by ``narrow_finite``, again by ``narrow`` when the row's sum of gradients is a nan), then copied
     to out (:func:`_put_row`). The inputs are read through row views (:func:`_row_view`,
-    ``scratch``: five :func:`_scratch_rows`, the mask's in slot 4)."""
+    ``scratch``: five :func:`_scratch_rows`, the mask's in slot 4). Compiled on its own, as :func:`_forward_block`."""
     N, S1, S2 = grad_output.shape[1], grad_output.shape[2], grad_output.shape[3]
     out_address, row_out_address = out.ctypes.data, row_out.ctypes.data
     b, n, s, _, _ = _row(first, N, S1, mask)
