@@ -947,8 +947,8 @@ def _forward_kernel(ops, plan, out, smax, ssum, table, tasks, workers):
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
 def _forward_worker(ops, plan, out, smax, ssum, table, tasks, next_task):
     """One thread of :func:`_forward_kernel`: claims tasks from ``next_task`` until none is left. A function of its
-    own rather than the body of the ``prange`` loop: numba's parallel passes then see one call, not the inlined
-    task code, and compile the kernel in a fraction of the time."""
+    own rather than the body of the ``prange`` loop: numba's parallel passes, slow on the inlined task code, then
+    see one call (docs/performance.md, 'Test suite time')."""
     work = _forward_scratch(ops)
     t = claim(next_task)
     while t < tasks.shape[0]:
