@@ -9,7 +9,7 @@ import pytest
 import torch
 from numba import njit
 
-from attngrad.kernels import flash_attention
+from attngrad.kernels import flash_attention, layouts
 from attngrad.kernels.flash_attention import (_EDGE_ROWS, Gradients, Sequence, _backward_tasks, _chunk_bounds,
                                               _contiguous_copy, _dq_adds, _forward_tasks, _transposed, backward_chunks,
                                               flash_attention_backward, flash_attention_forward)
@@ -372,14 +372,14 @@ def test_no_pse_a_dense_pse_and_alibi_share_one_kernel_specialisation(monkeypatc
     their own, so a call without pse, one with a dense pse and its gradient and one with alibi slopes launch both
     kernels with the same argument types (one compiled specialisation, not one per pse form)."""
     launched = {"_forward_kernel": set(), "_backward_kernel": set()}
-    launch = flash_attention.launch_strided
+    launch = layouts.launch_strided
 
     def recording_launch(kernel, *args, exact=()):
         if kernel.py_func.__name__ in launched:
             launched[kernel.py_func.__name__].add(strided_signature(args, exact))
         return launch(kernel, *args, exact=exact)
 
-    monkeypatch.setattr(flash_attention, "launch_strided", recording_launch)
+    monkeypatch.setattr(layouts, "launch_strided", recording_launch)
     q, k, v, dy = attention_inputs("BNSD", 1, 2, 2, 24, 24, 16, 16, dtype)
     dense, slopes = torch.randn(1, 2, 24, 24).to(dtype), torch.tensor([[0.5, 0.25]])
     for plan in (AttentionPlan(scale=0.3), AttentionPlan(scale=0.3, pse_type=0, pse=dense),

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import attngrad
-from attngrad.kernels import dropout, exp_segsum, flash_attention, gemm, scaled_masked_softmax
-from attngrad.kernels.threads import claim, kernel_threads, on_torch_threads
+from attngrad.kernels import dropout, exp_segsum, flash_attention, gemm, layouts, scaled_masked_softmax
+from attngrad.kernels.threads import call_native, claim, kernel_threads, native_address, on_torch_threads
 
 from helpers import torch_threads
 
@@ -74,14 +74,14 @@ def test_flash_attention_tasks_run_on_torch_threads(monkeypatch):
     """The task-parallel kernels of a forward and a backward launched after torch.set_num_threads(1) see one
     numba thread and run one worker."""
     seen = []
-    launch = flash_attention.launch_strided
+    launch = layouts.launch_strided
 
     def spy(kernel, *args, **kwargs):
         if kernel in (flash_attention._forward_kernel, flash_attention._backward_kernel):
             seen.append((numba.get_num_threads(), args[-1]))
         return launch(kernel, *args, **kwargs)
 
-    monkeypatch.setattr(flash_attention, "launch_strided", spy)
+    monkeypatch.setattr(layouts, "launch_strided", spy)
     q, k, v = (torch.randn(1, 64, 2, 32, requires_grad=True) for _ in range(3))
     with torch_threads(1):
         attngrad.flash_attn_func(q, k, v).sum().backward()
@@ -112,3 +112,39 @@ def test_mkl_is_sequential():
     mkl = ctypes.CDLL(str(gemm._mkl_rt_path()))
     with torch_threads(2):
         assert mkl.MKL_Get_Max_Threads() == 1
+
+
+@numba.njit(cache=True)
+def _double_into(x, out):
+    if x < 0:
+        raise ValueError("x must not be negative")
+    out[0] = 2 * x
+
+
+@numba.njit(cache=True)
+def _double_by_address(address, x, out):
+    call_native(address, (x, out))
+
+
+def test_call_native_runs_the_callee_and_raises_its_errors():
+    """A function called by address (not linked into its caller) gets its arguments, writes its results in place
+    and raises its exceptions in the caller."""
+    signature = (numba.int64, numba.int64[::1])
+    _double_into.compile(signature)
+    address = native_address(_double_into, signature)
+    out = np.zeros(1, np.int64)
+    _double_by_address(address, 21, out)
+    assert out[0] == 42
+    with pytest.raises(ValueError, match="must not be negative"):
+        _double_by_address(address, -1, out)
+
+
+@numba.njit(cache=True)
+def _doubled(x):
+    return 2 * x
+
+
+def test_native_address_needs_a_function_that_returns_nothing():
+    _doubled.compile((numba.int64,))
+    with pytest.raises(TypeError, match="must return nothing"):
+        native_address(_doubled, (numba.int64,))

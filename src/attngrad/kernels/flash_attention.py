@@ -72,9 +72,11 @@ Tiles and work split (both cores busy even for one head, results identical for a
 Kernel arguments come in typed bundles (namedtuples, so numba compiles them to plain values): the plan
 (:class:`KernelPlan`), the operands (:class:`ForwardOperands`, :class:`BackwardOperands`), the backward's outputs
 (:class:`Gradients`), a task's scratch tiles (:class:`ForwardScratch`, :class:`BackwardScratch`) and a tile's
-position (:class:`Tile`). The two tile kernels type their operand and output arrays with any strides
-(:func:`.layouts.launch_strided`: one compiled specialisation per dtype combination, where numba's own typing
-compiled one per mix of contiguous and strided arrays, up to a minute each) and read them row by row through
+position (:class:`Tile`). The two tile kernels run a worker per thread (:func:`_forward_worker`,
+:func:`_backward_worker`, compiled on their own and called by address: :func:`.layouts.launch_workers`). Both type
+their operand and output arrays with any strides (:func:`.layouts.launch_strided`: one compiled specialisation per
+dtype combination, where numba's own typing compiled one per mix of contiguous and strided arrays, up to a minute
+each) and read them row by row through
 C-contiguous views (:func:`.numeric.row_view`) or by address (the GEMMs), so contiguous, strided and varlen calls
 run the same code and give the same bits wherever their GEMMs do. The small kernels (packing, row dots, the dQ sum) keep
 numba's typing: they compile in seconds, and their loops give the same bits either way.
@@ -115,13 +117,13 @@ from numba.extending import overload
 from .flash_attention_plan import MASKED_LOGIT, AttentionPlan
 from .gemm_paths import CALIBRATED_DTYPES, WIDENED, gemm_path
 from .gemm import BRGEMM_DTYPES, NO_TRANS, TRANS, brgemm, brgemm_release, gemm
-from .layouts import launch_strided
+from .layouts import launch_strided, launch_workers
 from .numeric import (FASTMATH, LOG2E, SELECT_BITS, TRANSPOSE_BLOCK, aligned_empty, array_at, copy_row, exp2_32,
                       exp32, exp_nonpositive, flush_denormals, fmaximum, narrow, narrow_ftz, prefer_512_bit_vectors,
                       prefetch_bytes, restore_float_mode, row_address, row_view, select_bits, stream_fence, streams,
                       transpose_matrix, unowned, widen)
 from .tensor_view import kernel_view, new_output
-from .threads import claim, kernel_threads, on_torch_threads
+from .threads import call_native, claim, on_torch_threads
 
 _NEG = np.float32(MASKED_LOGIT)
 _FLT_MAX = np.float32(-MASKED_LOGIT)
@@ -934,21 +936,20 @@ def _forward_sequence(ops, table, s):
 
 
 @njit(**_KERNEL)
-def _forward_kernel(ops, plan, out, smax, ssum, table, tasks, workers):
-    """out ``[B, N1, S, Dv]``, smax / ssum ``[B, N1, S]`` fp32 (written in place) for the sequences of ``table``
-    (:class:`SequenceTable`, the packed K / V blocks of :func:`_pack_kv_kernel`); ``tasks`` int64 ``[T, 4]``:
-    (sequence, b, n1, first row of a query block), handed out in that order, one at a time to ``workers`` threads
-    (:func:`.threads.claim`; :func:`_forward_tasks`)."""
-    next_task = np.zeros(1, np.int64)
+def _forward_kernel(worker, ops, plan, out, smax, ssum, table, tasks, next_task, workers):
+    """Runs :func:`_forward_worker` (at address ``worker``) with these arguments on ``workers`` threads at once
+    (:func:`.layouts.launch_workers`)."""
     for _ in prange(workers):
-        _forward_worker(ops, plan, out, smax, ssum, table, tasks, next_task)
+        call_native(worker, (ops, plan, out, smax, ssum, table, tasks, next_task))
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
 def _forward_worker(ops, plan, out, smax, ssum, table, tasks, next_task):
-    """One thread of :func:`_forward_kernel`: claims tasks from ``next_task`` until none is left. A function of its
-    own rather than the body of the ``prange`` loop: numba's parallel passes, slow on the inlined task code, then
-    see one call (docs/performance.md, 'Test suite time')."""
+    """The forward on one thread of :func:`_forward_kernel`: out ``[B, N1, S, Dv]``, smax / ssum ``[B, N1, S]`` fp32
+    (written in place) for the sequences of ``table`` (:class:`SequenceTable`, the packed K / V blocks of
+    :func:`_pack_kv_kernel`); ``tasks`` int64 ``[T, 4]``: (sequence, b, n1, first row of a query block), claimed in
+    that order from ``next_task`` by the threads until none is left (:func:`.threads.claim`;
+    :func:`_forward_tasks`)."""
     work = _forward_scratch(ops)
     t = claim(next_task)
     while t < tasks.shape[0]:
@@ -1402,21 +1403,21 @@ def _write_transposed(acc, cols, scale, out, tail, has_tail, b, n, j0, scratch):
 
 
 @njit(**_KERNEL)
-def _backward_kernel(ops, plan, grads, pack_like, table, tasks, workers):
-    """grads.dk / grads.dv (written in place) and the dQ slices / dpse of the sequences of ``table`` (summed into).
-    ``tasks`` int64 ``[T, 6]``: (sequence, bt, n2, chunk, first key block, end key block), handed out in that
-    order, one at a time to ``workers`` threads (:func:`.threads.claim`; :func:`_backward_tasks`); a task runs
-    :func:`_backward_task` with the sequence's batch_tasks (1: a batch-broadcast dpse is summed over b in one
-    task). ``pack_like``: an array of the packed operands' element type."""
-    next_task = np.zeros(1, np.int64)
+def _backward_kernel(worker, ops, plan, grads, pack_like, table, tasks, next_task, workers):
+    """Runs :func:`_backward_worker` (at address ``worker``) with these arguments on ``workers`` threads at once
+    (:func:`.layouts.launch_workers`)."""
     for _ in prange(workers):
-        _backward_worker(ops, plan, grads, pack_like, table, tasks, next_task)
+        call_native(worker, (ops, plan, grads, pack_like, table, tasks, next_task))
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
 def _backward_worker(ops, plan, grads, pack_like, table, tasks, next_task):
-    """One thread of :func:`_backward_kernel`: claims tasks from ``next_task`` until none is left (a function of its
-    own for the reason given at :func:`_forward_worker`)."""
+    """The backward on one thread of :func:`_backward_kernel`: grads.dk / grads.dv (written in place) and the dQ
+    slices / dpse of the sequences of ``table`` (summed into). ``tasks`` int64 ``[T, 6]``: (sequence, bt, n2, chunk,
+    first key block, end key block), claimed in that order from ``next_task`` by the threads until none is left
+    (:func:`.threads.claim`; :func:`_backward_tasks`); a task runs :func:`_backward_task` with the sequence's
+    batch_tasks (1: a batch-broadcast dpse is summed over b in one task). ``pack_like``: an array of the packed
+    operands' element type."""
     work = _backward_scratch(ops.q, ops.k.shape[3], ops.v.shape[3], ops.qr.shape[3] if ops.rope else 0, ops.packed,
                              pack_like, plan.probs_like)
     t = claim(next_task)
@@ -1670,8 +1671,8 @@ def flash_attention_forward(q, k, v, plan: AttentionPlan, out=None, softmax_max=
     packs = in_place and _use_brgemm(q, k.shape[3], v.shape[3])
     kv, vv = _view(k, packs), _view(v, packs and q.dtype != torch.float32)
     operands = _forward_operands(q, _view(q, in_place), kv, vv, _rope_views(q, rope, in_place), table)
-    launch_strided(_forward_kernel, operands, kplans[0], kernel_view(out), kernel_view(smax), kernel_view(ssum), table,
-                   _forward_tasks(sequences, B, N1), kernel_threads(), exact=(1, 5, 6))
+    launch_workers(_forward_kernel, _forward_worker, operands, kplans[0], kernel_view(out), kernel_view(smax),
+                   kernel_view(ssum), table, _forward_tasks(sequences, B, N1), exact=(1, 5, 6))
     return out, smax, ssum
 
 
@@ -1856,8 +1857,8 @@ def flash_attention_backward(q, k, v, dy, out, softmax_max, softmax_sum, plan: A
     table = _sequence_table(sequences, kplans, _BK, (dq_accs, dq_written, [a for _, a in dpse]),
                             [batch_tasks for batch_tasks, _ in splits])
     grads = Gradients(dq_accs[0], dq_written[0], kernel_view(dk), kernel_view(dv), dpse[0][1], dkr)
-    launch_strided(_backward_kernel, operands, kplans[0], grads, _pack_like(q), table,
-                   _backward_tasks(sequences, splits, N2), kernel_threads(), exact=(1, 3, 4, 5))
+    launch_workers(_backward_kernel, _backward_worker, operands, kplans[0], grads, _pack_like(q), table,
+                   _backward_tasks(sequences, splits, N2), exact=(1, 3, 4, 5))
     dq_rope, dk_rope = _rope_outputs(rope, rope_into) if has_rope else (None, None)
     for seq, dq_acc, written in zip(sequences, dq_accs, dq_written):
         rows = slice(seq.q0, seq.q1)

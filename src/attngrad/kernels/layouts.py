@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 from numba import typeof, types
 from numba._dispatcher import compute_fingerprint
 
 from .child_compile import compile_cached
+from .threads import kernel_threads, native_address
 
 
 def _strided(ty: types.Type) -> types.Type:
@@ -39,6 +41,7 @@ def _strided(ty: types.Type) -> types.Type:
 
 
 _entry_points: dict = {}
+_worker_addresses: dict = {}
 
 
 def strided_signature(args: tuple, exact: tuple[int, ...] = ()) -> tuple:
@@ -58,6 +61,22 @@ def launch_strided(kernel, *args, exact: tuple[int, ...] = ()):
     if entry is None:
         entry = _entry_points[key] = compile_cached(kernel, strided_signature(args, exact))
     return entry(*args)
+
+
+def launch_workers(kernel, worker, *args, exact: tuple[int, ...] = ()):
+    """``kernel(address, *args, counter, threads)``: a parallel kernel that runs the numba dispatcher ``worker(*args,
+    counter)`` once on each of its ``threads`` (:func:`.threads.kernel_threads`) through the worker's address
+    (:func:`.threads.call_native`); ``counter`` is an int64 ``[1]`` zero that the threads share to claim tasks
+    (:func:`.threads.claim`). Both are compiled as :func:`launch_strided` compiles a kernel (``exact``: positions in
+    ``args``), the worker on its own: its code is not compiled again into the kernel's."""
+    args = (*args, np.zeros(1, np.int64))
+    key = (worker, exact, *map(compute_fingerprint, args))
+    address = _worker_addresses.get(key)
+    if address is None:
+        signature = strided_signature(args, exact)
+        compile_cached(worker, signature)
+        address = _worker_addresses[key] = native_address(worker, signature)
+    return launch_strided(kernel, address, *args, kernel_threads(), exact=tuple(i + 1 for i in exact))
 
 
 def strided_layout(kernel):

@@ -15,6 +15,10 @@ each thread a fixed, contiguous share of its iterations (numba's OpenMP and work
 whatever ``numba.set_parallel_chunksize`` says), so a kernel runs one loop iteration per thread (``prange(workers)``,
 ``workers = kernel_threads()`` passed in: numba's ``get_num_threads`` in compiled code keeps a kernel out of the disk
 cache) and each of them claims tasks from a shared counter until none is left.
+
+The code such a thread runs is a function compiled on its own (a worker), which the parallel kernel calls through
+its address (:func:`call_native`, :func:`native_address`, launched by :func:`.layouts.launch_workers`): numba would
+otherwise link the worker's code into the kernel's and its parallel loop's modules and compile it there again.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import numba
 import torch
 from llvmlite import ir
 from numba import njit, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 from numba.np.ufunc import parallel as _parallel
 
@@ -86,3 +91,32 @@ def claim(counter):
     """The next task of a launch, ``counter[0]`` (an int64 array shared by its threads, starting at 0), counted up
     atomically: every task goes to exactly one thread, the next free one."""
     return _fetch_increment(counter.ctypes.data)
+
+
+@intrinsic
+def call_native(typingctx, address, args):
+    """Call the numba function whose native entry point is at the integer ``address`` (:func:`native_address`) with
+    the members of the tuple ``args``, which must have the types it was compiled for; it returns nothing. The
+    callee's code is not linked into the caller's."""
+    if not isinstance(address, types.Integer) or not isinstance(args, types.BaseTuple):
+        return None
+
+    def codegen(context, builder, signature, llargs):
+        values = [builder.extract_value(llargs[1], i) for i in range(len(args))]
+        function = context.call_conv.get_function_type(types.none, list(args))
+        callee = builder.inttoptr(llargs[0], function.as_pointer())
+        status, _ = context.call_conv.call_function(builder, callee, types.none, list(args), values)
+        with cgutils.if_unlikely(builder, status.is_error):
+            context.call_conv.return_status_propagate(builder, status)
+        return context.get_dummy_value()
+
+    return types.none(address, args), codegen
+
+
+def native_address(dispatcher, signature: tuple) -> int:
+    """The address of the native entry point of numba ``dispatcher``'s specialisation ``signature`` (compiled or
+    loaded already), which must return nothing: what :func:`call_native` calls."""
+    result = dispatcher.overloads[tuple(signature)]
+    if result.signature.return_type != types.none:
+        raise TypeError(f"{dispatcher.py_func.__qualname__} must return nothing to be called by address")
+    return result.library.get_pointer_to_function(result.fndesc.llvm_func_name)
