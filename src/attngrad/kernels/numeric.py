@@ -401,7 +401,8 @@ def _pow2(typingctx, n):
 
 @intrinsic
 def prefer_512_bit_vectors(typingctx):
-    """Let LLVM vectorise the enclosing (outlined prange) function with 512-bit registers.
+    """Let LLVM vectorise the enclosing function with 512-bit registers: that function only, not the functions it
+    calls that numba compiles on their own (``cache=True`` kernel functions), which take their own call.
 
     LLVM's cost model prefers 256-bit vectors on AVX-512 CPUs (``prefer-vector-width``); the streaming
     kernels here are compute-bound per row (exp, conversions) and run faster at 512 bits. The function

@@ -318,6 +318,7 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
     loop as a fourth row (docs/performance.md, 'The prefetched row's index'). Compiled on its own, not inlined
     into the kernel's ``prange`` loop, whose parallel passes are slow on a large body (docs/performance.md, 'Test
     suite time')."""
+    prefer_512_bit_vectors()
     N, S1, S2 = x.shape[1], x.shape[2], x.shape[3]
     y_address, out_address = y.ctypes.data, out.ctypes.data
     b1, n1, s1, _, _ = _row(first, N, S1, mask)
@@ -373,7 +374,6 @@ def scaled_masked_softmax_forward(x, mask, scale, round_scaled, stream, y):
     """
     rows = x.shape[0] * x.shape[1] * x.shape[2]
     for task in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        prefer_512_bit_vectors()
         bufs = aligned_empty((3, x.shape[3]), np.float32)
         out = aligned_empty((x.shape[3],), y.dtype)
         scratch = _scratch_rows(2, x)
@@ -423,6 +423,7 @@ def _backward_block(grad_output, y, mask, scale, out, first, last, row_out, scra
     ``row_out`` (by ``narrow_finite``, again by ``narrow`` when the row's sum of gradients is a nan), then copied
     to out (:func:`_put_row`). The inputs are read through row views (:func:`_row_view`,
     ``scratch``: five :func:`_scratch_rows`, the mask's in slot 4). Compiled on its own, as :func:`_forward_block`."""
+    prefer_512_bit_vectors()
     N, S1, S2 = grad_output.shape[1], grad_output.shape[2], grad_output.shape[3]
     out_address, row_out_address = out.ctypes.data, row_out.ctypes.data
     b, n, s, _, _ = _row(first, N, S1, mask)
@@ -460,7 +461,6 @@ def scaled_masked_softmax_backward(grad_output, y, mask, scale, stream, out):
     out is written by non-temporal stores (:func:`.numeric.streams`)."""
     rows = grad_output.shape[0] * grad_output.shape[1] * grad_output.shape[2]
     for task in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        prefer_512_bit_vectors()
         row_out = aligned_empty((out.shape[3],), out.dtype)
         scratch = _scratch_rows(5, grad_output)
         first = task * _ROWS_PER_TASK
