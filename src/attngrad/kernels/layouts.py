@@ -8,9 +8,10 @@ the arguments it is told to type exactly), so a kernel has one specialisation pe
 
 For kernels whose results do not depend on those types: their loops over rows read C-contiguous row views made
 from the rows' addresses (:func:`.numeric.array_at`), which LLVM vectorises the same whatever the strides, where
-indexing ``'A'`` arrays in the loop would vectorise some fast-math row reductions differently. ScaledMaskedSoftmax
-and ExpSegsum launch through :func:`strided_layout`, flash attention's two tile kernels through
-:func:`launch_strided` (their plan typed exactly); the tests compare strided and contiguous calls bit for bit.
+indexing ``'A'`` arrays in the loop would vectorise some fast-math row reductions differently. ExpSegsum launches
+through :func:`strided_layout`; ScaledMaskedSoftmax and flash attention's two tile kernels through
+:func:`launch_workers` (flash attention's plan typed exactly), which compiles a thread's worker the same way; the
+tests compare strided and contiguous calls bit for bit.
 
 A specialisation new to the process is loaded from numba's disk cache, after a child process has compiled it
 there if needed (:mod:`.child_compile`): code compiled in the calling process differs in the last bits and is

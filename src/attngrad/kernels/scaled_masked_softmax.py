@@ -9,11 +9,12 @@ Contract: data ``[B, N, S1, S2]`` (float32 as float32, bfloat16 as uint16, float
 Layouts: every loop reads an input or mask row through a C-contiguous 1-D view made from the row's address
 (:func:`_row_view`; a row whose last dim is not unit-stride is first copied to a scratch row), and writes the output
 row by address (:func:`_put_row`). So the kernels are compiled once per dtype combination, with every array typed
-as any-strided (:func:`.layouts.strided_layout`), and a strided call gives the same bits as a contiguous one.
+as any-strided (:func:`.layouts.launch_workers`), and a strided call gives the same bits as a contiguous one.
 
-Rows are independent; ``prange`` runs over fixed blocks of ``_ROWS_PER_TASK`` rows, so every row is computed by
-the same instructions for any thread count (bit-identical results). Each row is read from memory once and
-written once:
+Rows are independent; each thread runs a worker (:func:`_forward_worker`, :func:`_backward_worker`, compiled on
+its own and called by address) that claims fixed blocks of ``_ROWS_PER_TASK`` rows (:func:`.threads.claim`), so
+every row is computed by the same instructions for any thread count (bit-identical results). Each row is read from
+memory once and written once:
 
 * within a block the rows are software-pipelined, so the memory streams run while the core computes: the
   backward reads row ``k + 1`` in the loop that computes row ``k``; the forward reads row ``k + 1``, computes row
@@ -46,12 +47,12 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
-from .layouts import strided_layout
+from .layouts import launch_workers
 from .numeric import (FASTMATH, FLOAT16_GRID_LIMIT, HAS_AVX512_FP16, HAS_AVX512F, HAS_F16C, NO_POSITIVE, aligned_empty,
                       array_at, copy_row, exp_nonpositive, float16_grid, fmax_any_nan, narrow, narrow_fast,
                       narrow_finite, narrow_ftz_exact, ordered_mul, prefer_512_bit_vectors, prefetch_bytes,
                       row_address, row_view, stream_fence, track_flushable, track_nan, widen)
-from .threads import on_torch_threads
+from .threads import call_native, claim, on_torch_threads
 
 MASK_VALUE = np.float32(-10000.0)  # CANN fills masked logits with -10000, not -inf
 _ROWS_PER_TASK = 64
@@ -315,8 +316,8 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
     flight are (b0, n0, s0) .. (b2, n2, s2), advanced by :func:`_next_row`. The row after next is prefetched: a
     float32 row of 1024 is one 4 KiB page, where the hardware prefetchers stop, so without it each row would start
     with a cold stream. Its (b, n, s) come from r by :func:`_row`, which was faster than carrying them through the
-    loop as a fourth row (docs/performance.md, 'The prefetched row's index'). Compiled on its own, not inlined
-    into the kernel's ``prange`` loop, whose parallel passes are slow on a large body (docs/performance.md, 'Test
+    loop as a fourth row (docs/performance.md, 'The prefetched row's index'). Compiled on its own and called by
+    the worker, not inlined into it, which numba compiles slowly for a body this large (docs/performance.md, 'Test
     suite time')."""
     prefer_512_bit_vectors()
     N, S1, S2 = x.shape[1], x.shape[2], x.shape[3]
@@ -362,9 +363,32 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
     _put_row(y, y_address, _row_of(b0, n0, s0, mask), out, out_address, stream)
 
 
-@on_torch_threads
-@strided_layout
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
+def _forward_kernel(worker, x, mask, scale, round_scaled, stream, y, next_block, workers):
+    """Runs :func:`_forward_worker` (at address ``worker``) with these arguments on ``workers`` threads at once
+    (:func:`.layouts.launch_workers`)."""
+    for _ in prange(workers):
+        call_native(worker, (x, mask, scale, round_scaled, stream, y, next_block))
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _forward_worker(x, mask, scale, round_scaled, stream, y, next_block):
+    """One thread of the forward: the blocks of ``_ROWS_PER_TASK`` rows it claims from ``next_block``
+    (:func:`.threads.claim`), each by :func:`_forward_block` with this thread's row buffers."""
+    rows = x.shape[0] * x.shape[1] * x.shape[2]
+    bufs = aligned_empty((3, x.shape[3]), np.float32)
+    out = aligned_empty((x.shape[3],), y.dtype)
+    scratch = _scratch_rows(2, x)
+    first = claim(next_block) * _ROWS_PER_TASK
+    while first < rows:
+        _forward_block(x, mask, scale, round_scaled, y, first, min(rows, first + _ROWS_PER_TASK), bufs, out, scratch,
+                       stream)
+        first = claim(next_block) * _ROWS_PER_TASK
+    if stream:
+        stream_fence()
+
+
+@on_torch_threads
 def scaled_masked_softmax_forward(x, mask, scale, round_scaled, stream, y):
     """y = softmax(where(mask, -10000, x * scale)) over the last axis, fp32 math.
 
@@ -372,16 +396,7 @@ def scaled_masked_softmax_forward(x, mask, scale, round_scaled, stream, y):
     (``scale`` is then already the fp16-rounded value). ``stream``: y is written by non-temporal stores
     (:func:`.numeric.streams`).
     """
-    rows = x.shape[0] * x.shape[1] * x.shape[2]
-    for task in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        bufs = aligned_empty((3, x.shape[3]), np.float32)
-        out = aligned_empty((x.shape[3],), y.dtype)
-        scratch = _scratch_rows(2, x)
-        first = task * _ROWS_PER_TASK
-        _forward_block(x, mask, scale, round_scaled, y, first, min(rows, first + _ROWS_PER_TASK), bufs, out, scratch,
-                       stream)
-        if stream:
-            stream_fence()
+    launch_workers(_forward_kernel, _forward_worker, x, mask, scale, round_scaled, stream, y)
 
 
 @njit(inline="always")
@@ -453,18 +468,32 @@ def _backward_block(grad_output, y, mask, scale, out, first, last, row_out, scra
         b, n, s = b1, n1, s1
 
 
-@on_torch_threads
-@strided_layout
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
+def _backward_kernel(worker, grad_output, y, mask, scale, stream, out, next_block, workers):
+    """Runs :func:`_backward_worker` (at address ``worker``) with these arguments on ``workers`` threads at once
+    (:func:`.layouts.launch_workers`)."""
+    for _ in prange(workers):
+        call_native(worker, (grad_output, y, mask, scale, stream, out, next_block))
+
+
+@njit(fastmath=FASTMATH, cache=True)
+def _backward_worker(grad_output, y, mask, scale, stream, out, next_block):
+    """One thread of the backward: the blocks of ``_ROWS_PER_TASK`` rows it claims from ``next_block``
+    (:func:`.threads.claim`), each by :func:`_backward_block` with this thread's row buffers."""
+    rows = grad_output.shape[0] * grad_output.shape[1] * grad_output.shape[2]
+    row_out = aligned_empty((out.shape[3],), out.dtype)
+    scratch = _scratch_rows(5, grad_output)
+    first = claim(next_block) * _ROWS_PER_TASK
+    while first < rows:
+        _backward_block(grad_output, y, mask, scale, out, first, min(rows, first + _ROWS_PER_TASK), row_out, scratch,
+                        stream)
+        first = claim(next_block) * _ROWS_PER_TASK
+    if stream:
+        stream_fence()
+
+
+@on_torch_threads
 def scaled_masked_softmax_backward(grad_output, y, mask, scale, stream, out):
     """out = where(mask, 0, (dy - sum(dy * y)) * y * scale); the row sum runs over ALL positions. ``stream``:
     out is written by non-temporal stores (:func:`.numeric.streams`)."""
-    rows = grad_output.shape[0] * grad_output.shape[1] * grad_output.shape[2]
-    for task in prange((rows + _ROWS_PER_TASK - 1) // _ROWS_PER_TASK):
-        row_out = aligned_empty((out.shape[3],), out.dtype)
-        scratch = _scratch_rows(5, grad_output)
-        first = task * _ROWS_PER_TASK
-        _backward_block(grad_output, y, mask, scale, out, first, min(rows, first + _ROWS_PER_TASK), row_out, scratch,
-                        stream)
-        if stream:
-            stream_fence()
+    launch_workers(_backward_kernel, _backward_worker, grad_output, y, mask, scale, stream, out)
