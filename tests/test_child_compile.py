@@ -15,11 +15,12 @@ import pytest
 from numba import typeof
 
 from attngrad.kernels import child_compile
-from attngrad.kernels.layouts import launch_strided
+from attngrad.kernels.layouts import launch_strided, launch_workers
 
 _KERNEL_MODULE = """
 import os
-from numba import njit
+from numba import njit, prange
+from attngrad.kernels.threads import call_native, claim
 if os.environ.get("ATTNGRAD_TEST_BREAK_CHILD") and os.environ.get("ATTNGRAD_COMPILE_IN_CHILD") == "0":
     raise SystemExit(3)  # the child process dies before compiling
 
@@ -28,6 +29,20 @@ if os.environ.get("ATTNGRAD_TEST_BREAK_CHILD") and os.environ.get("ATTNGRAD_COMP
 def add_one(x, out):
     for i in range(x.shape[0]):
         out[i] = x[i] + 1
+
+
+@njit(cache=True)
+def add_one_worker(x, out, counter):
+    i = claim(counter)
+    while i < x.shape[0]:
+        out[i] = x[i] + 1
+        i = claim(counter)
+
+
+@njit(parallel=True, cache=True)
+def add_one_kernel(worker, x, out, counter, workers):
+    for _ in prange(workers):
+        call_native(worker, (x, out, counter))
 """
 
 
@@ -51,6 +66,20 @@ def _launch(kernel):
 
 def test_a_new_specialisation_compiles_in_a_child_and_loads_from_the_cache(kernel):
     assert _launch(kernel) == (1, 0)  # one cache hit, no compile in this process
+
+
+def test_a_kernel_and_its_worker_compile_in_one_child(kernel, monkeypatch):
+    """launch_workers has the child that compiles the worker compile the kernel too (one interpreter start), for
+    the very signature the launch then loads."""
+    module = sys.modules[kernel.py_func.__module__]
+    children, run = [], subprocess.run
+    monkeypatch.setattr(subprocess, "run", lambda *args, **kwargs: children.append(args) or run(*args, **kwargs))
+    x, out = np.arange(64.0), np.zeros(64)
+    launch_workers(module.add_one_kernel, module.add_one_worker, x, out)
+    np.testing.assert_array_equal(out, x + 1)
+    assert len(children) == 1
+    for function in (module.add_one_kernel, module.add_one_worker):
+        assert (sum(function.stats.cache_hits.values()), sum(function.stats.cache_misses.values())) == (1, 0)
 
 
 def test_switched_off_the_kernel_compiles_in_this_process(kernel, monkeypatch):

@@ -53,13 +53,15 @@ def enabled() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def compile_cached(kernel, signature: tuple):
+def compile_cached(kernel, signature: tuple, companions: tuple = ()):
     """``kernel.compile(signature)`` (a numba dispatcher, a tuple of numba types) such that the code comes from
-    numba's disk cache: a specialisation missing from the cache is compiled in a child process first."""
+    numba's disk cache: a specialisation missing from the cache is compiled in a child process first.
+    ``companions``: more ``(dispatcher, signature)`` pairs that such a child compiles too, where they are missing
+    from the cache (a kernel after its worker: one interpreter start for both); they are not loaded here."""
     reason = _why_not_in_child(kernel, signature)
     if reason is None:
         start = time.perf_counter()
-        reason = _compile_in_child(kernel, signature)
+        reason = _compile_in_child(kernel, signature, companions)
         if reason is None:
             _log.debug("%s %s: in the disk cache after %.1f s (child process)", _name(kernel), signature,
                        time.perf_counter() - start)
@@ -107,12 +109,14 @@ def _in_cache(kernel, signature: tuple) -> bool:
         return False
 
 
-def _compile_in_child(kernel, signature: tuple) -> str | None:
-    """Compile ``signature`` of ``kernel`` into the disk cache in a child process, unless another process does
-    so meanwhile (:func:`compile_lock_path`); None once it is in the cache, else the reason of the failure."""
+def _compile_in_child(kernel, signature: tuple, companions: tuple = ()) -> str | None:
+    """Compile ``signature`` of ``kernel`` (and the ``companions`` that a child can compile) into the disk cache in a
+    child process, unless another process does so meanwhile (:func:`compile_lock_path`); None once ``signature`` is
+    in the cache, else the reason of the failure."""
+    wanted = [(kernel, signature), *((k, s) for k, s in companions if _why_not_in_child(k, s) is None)]
     try:
-        job = pickle.dumps({"path": list(sys.path), "module": kernel.py_func.__module__,
-                            "qualname": kernel.py_func.__qualname__, "signature": tuple(signature)})
+        job = pickle.dumps({"path": list(sys.path), "specialisations": [
+            (k.py_func.__module__, k.py_func.__qualname__, tuple(s)) for k, s in wanted]})
     except Exception as exc:  # noqa: BLE001 - e.g. a namedtuple class defined in a function
         return f"the signature cannot be pickled: {exc}"
     deadline = time.monotonic() + TIMEOUT_S
@@ -181,9 +185,11 @@ def _give_up(kernel, reason: str) -> None:
 
 
 def compile_here(job: dict) -> None:
-    """The child's side: import the kernel's module, compile ``job['signature']`` (saved to the disk cache)."""
-    kernel = importlib.import_module(job["module"])
-    for part in job["qualname"].split("."):
-        kernel = getattr(kernel, part)
-    kernel = getattr(kernel, "dispatcher", kernel)  # a :func:`.layouts.strided_layout` wrapper
-    kernel.compile(job["signature"])
+    """The child's side: import each kernel's module, compile its signature (saved to the disk cache), in the order
+    of ``job['specialisations']``."""
+    for module, qualname, signature in job["specialisations"]:
+        kernel = importlib.import_module(module)
+        for part in qualname.split("."):
+            kernel = getattr(kernel, part)
+        kernel = getattr(kernel, "dispatcher", kernel)  # a :func:`.layouts.strided_layout` wrapper
+        kernel.compile(signature)

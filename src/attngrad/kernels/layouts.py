@@ -75,9 +75,15 @@ def launch_workers(kernel, worker, *args, exact: tuple[int, ...] = ()):
     address = _worker_addresses.get(key)
     if address is None:
         signature = strided_signature(args, exact)
-        compile_cached(worker, signature)
+        launch = (0, *args, kernel_threads())
+        compile_cached(worker, signature, companions=((kernel, strided_signature(launch, _after_address(exact))),))
         address = _worker_addresses[key] = native_address(worker, signature)
-    return launch_strided(kernel, address, *args, kernel_threads(), exact=tuple(i + 1 for i in exact))
+    return launch_strided(kernel, address, *args, kernel_threads(), exact=_after_address(exact))
+
+
+def _after_address(exact: tuple[int, ...]) -> tuple[int, ...]:
+    """Positions ``exact`` in a worker's arguments as positions in its kernel's, which start with the address."""
+    return tuple(i + 1 for i in exact)
 
 
 def strided_layout(kernel):
