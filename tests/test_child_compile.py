@@ -43,6 +43,11 @@ def add_one_worker(x, out, counter):
 def add_one_kernel(worker, x, out, counter, workers):
     for _ in prange(workers):
         call_native(worker, (x, out, counter))
+
+
+@njit(cache=True)
+def broken(x, out):
+    out[0] = x.no_such_attribute
 """
 
 
@@ -80,6 +85,17 @@ def test_a_kernel_and_its_worker_compile_in_one_child(kernel, monkeypatch):
     assert len(children) == 1
     for function in (module.add_one_kernel, module.add_one_worker):
         assert (sum(function.stats.cache_hits.values()), sum(function.stats.cache_misses.values())) == (1, 0)
+
+
+def test_a_companion_that_fails_in_the_child_leaves_the_first_specialisation_loaded(kernel, recwarn):
+    """The child compiles the first specialisation, then fails on its companion: the first loads from the cache
+    without a warning, and the kernel is not marked as one whose child fails."""
+    module = sys.modules[kernel.py_func.__module__]
+    signature = (typeof(np.zeros(4)), typeof(np.zeros(4)))
+    child_compile.compile_cached(kernel, signature, companions=((module.broken, signature),))
+    assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
+    assert (sum(kernel.stats.cache_hits.values()), sum(kernel.stats.cache_misses.values())) == (1, 0)
+    assert not child_compile._failed
 
 
 def test_switched_off_the_kernel_compiles_in_this_process(kernel, monkeypatch):

@@ -131,16 +131,17 @@ def _compile_in_child(kernel, signature: tuple, companions: tuple = ()) -> str |
         try:
             proc = subprocess.run([sys.executable, "-c", _BOOTSTRAP], input=job, capture_output=True, env=env,
                                   timeout=max(1.0, deadline - time.monotonic()))
+            tail = proc.stderr.decode(errors="replace").strip()[-1500:]
+            failure = f"the child process failed with status {proc.returncode}: {tail}" if proc.returncode else None
         except subprocess.TimeoutExpired:
-            return f"the child process ran past {TIMEOUT_S:.0f} s"
+            failure = f"the child process ran past {TIMEOUT_S:.0f} s"
         except OSError as exc:
             return f"the child process did not start: {exc}"
-        if proc.returncode:
-            tail = proc.stderr.decode(errors="replace").strip()[-1500:]
-            return f"the child process failed with status {proc.returncode}: {tail}"
-    if not _in_cache(kernel, signature):
-        return "the child process left nothing in the disk cache"
-    return None
+    if _in_cache(kernel, signature):
+        if failure:  # on a companion, compiled after this one: its own launch reports it
+            _log.debug("%s: in the disk cache, but then %s", _name(kernel), failure)
+        return None
+    return failure or "the child process left nothing in the disk cache"
 
 
 def compile_lock_path(kernel, signature: tuple) -> str:

@@ -73,10 +73,10 @@ Kernel arguments come in typed bundles (namedtuples, so numba compiles them to p
 (:class:`KernelPlan`), the operands (:class:`ForwardOperands`, :class:`BackwardOperands`), the backward's outputs
 (:class:`Gradients`), a task's scratch tiles (:class:`ForwardScratch`, :class:`BackwardScratch`) and a tile's
 position (:class:`Tile`). The two tile kernels run a worker per thread (:func:`_forward_worker`,
-:func:`_backward_worker`, compiled on their own and called by address: :func:`.layouts.launch_workers`). Both type
-their operand and output arrays with any strides (:func:`.layouts.launch_strided`: one compiled specialisation per
-dtype combination, where numba's own typing compiled one per mix of contiguous and strided arrays, up to a minute
-each) and read them row by row through
+:func:`_backward_worker`, compiled on their own and called by address: :func:`.layouts.launch_workers`), which
+types their operand and output arrays with any strides as :func:`.layouts.launch_strided` does (one compiled
+specialisation per dtype combination, where numba's own typing compiled one per mix of contiguous and strided
+arrays, up to a minute each). They read those arrays row by row through
 C-contiguous views (:func:`.numeric.row_view`) or by address (the GEMMs), so contiguous, strided and varlen calls
 run the same code and give the same bits wherever their GEMMs do. The small kernels (packing, row dots, the dQ sum) keep
 numba's typing: they compile in seconds, and their loops give the same bits either way.

@@ -119,4 +119,7 @@ def native_address(dispatcher, signature: tuple) -> int:
     result = dispatcher.overloads[tuple(signature)]
     if result.signature.return_type != types.none:
         raise TypeError(f"{dispatcher.py_func.__qualname__} must return nothing to be called by address")
-    return result.library.get_pointer_to_function(result.fndesc.llvm_func_name)
+    address = result.library.get_pointer_to_function(result.fndesc.llvm_func_name)
+    if not address:
+        raise RuntimeError(f"{dispatcher.py_func.__qualname__}: no native entry point in its compiled code")
+    return address
