@@ -38,8 +38,6 @@ except ImportError:  # pragma: no cover - Windows: no lock; two children may com
 
 from numba.core import config
 
-from .ir_copies import shared_scope_copies
-
 ENV_SWITCH = "ATTNGRAD_COMPILE_IN_CHILD"
 TIMEOUT_S = 900.0  # the largest kernels compile in 1-2 minutes alone, several times that on a busy machine
 
@@ -68,21 +66,14 @@ def compile_cached(kernel, signature: tuple, companions: tuple = ()):
             _log.debug("%s %s: in the disk cache after %.1f s (child process)", _name(kernel), signature,
                        time.perf_counter() - start)
             misses = kernel.stats.cache_misses[signature]
-            entry = _compile(kernel, signature)
+            entry = kernel.compile(signature)
             if kernel.stats.cache_misses[signature] != misses:
                 _give_up(kernel, "the child's result did not load from the disk cache")
             return entry
         _give_up(kernel, reason)
     else:
         _log.debug("%s %s: no child process (%s)", _name(kernel), signature, reason)
-    return _compile(kernel, signature)
-
-
-def _compile(kernel, signature: tuple):
-    """``kernel.compile(signature)`` (loaded from numba's cache, else compiled with the cheaper IR copies of
-    :mod:`.ir_copies`)."""
-    with shared_scope_copies():
-        return kernel.compile(signature)
+    return kernel.compile(signature)
 
 
 def _name(kernel) -> str:
@@ -202,4 +193,4 @@ def compile_here(job: dict) -> None:
         for part in qualname.split("."):
             kernel = getattr(kernel, part)
         kernel = getattr(kernel, "dispatcher", kernel)  # a :func:`.layouts.strided_layout` wrapper
-        _compile(kernel, signature)
+        kernel.compile(signature)
