@@ -3,6 +3,7 @@ empty cache runs the same code, and gets the same bits, as the next process; whe
 kernel compiles in the calling process as numba does by default."""
 
 import fcntl
+import gc
 import importlib
 import json
 import os
@@ -96,6 +97,30 @@ def test_a_companion_that_fails_in_the_child_leaves_the_first_specialisation_loa
     assert not [w for w in recwarn if issubclass(w.category, RuntimeWarning)]
     assert (sum(kernel.stats.cache_hits.values()), sum(kernel.stats.cache_misses.values())) == (1, 0)
     assert not child_compile._failed
+
+
+class _CompileRecorder:
+    """Stands in for a dispatcher in a child's job: records each signature it is asked to compile and whether the
+    garbage collector was enabled meanwhile."""
+
+    def __init__(self):
+        self.calls = []
+
+    def compile(self, signature):
+        self.calls.append((signature, gc.isenabled()))
+
+
+RECORDER = _CompileRecorder()
+
+
+def test_the_child_compiles_with_the_collector_paused_and_collects_after_each_specialisation(monkeypatch):
+    RECORDER.calls.clear()
+    collected_after = []
+    monkeypatch.setattr(child_compile.gc, "collect", lambda: collected_after.append(len(RECORDER.calls)))
+    child_compile.compile_here({"specialisations": [(__name__, "RECORDER", ("a",)), (__name__, "RECORDER", ("b",))]})
+    assert RECORDER.calls == [(("a",), False), (("b",), False)]
+    assert collected_after == [1, 2]
+    assert gc.isenabled()  # restored for a caller in its own process
 
 
 def test_switched_off_the_kernel_compiles_in_this_process(kernel, monkeypatch):

@@ -21,6 +21,7 @@ later specialisations then compile in this process too).
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import importlib
 import logging
@@ -187,10 +188,19 @@ def _give_up(kernel, reason: str) -> None:
 
 def compile_here(job: dict) -> None:
     """The child's side: import each kernel's module, compile its signature (saved to the disk cache), in the order
-    of ``job['specialisations']``."""
-    for module, qualname, signature in job["specialisations"]:
-        kernel = importlib.import_module(module)
-        for part in qualname.split("."):
-            kernel = getattr(kernel, part)
-        kernel = getattr(kernel, "dispatcher", kernel)  # a :func:`.layouts.strided_layout` wrapper
-        kernel.compile(signature)
+    of ``job['specialisations']``. The garbage collector is paused while a specialisation compiles and runs once after
+    it: numba's passes make and drop millions of objects, and the collector's passes over them took a fifth of a
+    large kernel's compile time; the child's peak memory grows instead (docs/performance.md, 'Test suite time')."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for module, qualname, signature in job["specialisations"]:
+            kernel = importlib.import_module(module)
+            for part in qualname.split("."):
+                kernel = getattr(kernel, part)
+            kernel = getattr(kernel, "dispatcher", kernel)  # a :func:`.layouts.strided_layout` wrapper
+            kernel.compile(signature)
+            gc.collect()
+    finally:
+        if was_enabled:
+            gc.enable()
