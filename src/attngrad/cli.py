@@ -1,4 +1,4 @@
-"""Command line: ``attngrad examples | verify | bench | train | golden | compare``."""
+"""Command line: ``attngrad examples | verify | bench | compile | train | golden | compare``."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import importlib
 import pkgutil
 import sys
+import time
 
 
 def run_examples(names: list[str] | None) -> int:
@@ -123,6 +124,37 @@ def run_verify(ops: list[str] | None) -> int:
     return 1 if failures else 0
 
 
+def run_compile(ops: list[str] | None, dtypes: list[str] | None, precisions: list[str] | None,
+                workers: int | None) -> int:
+    """Compile the selected operators' kernels into numba's cache (:mod:`.precompile`), printing each job as it
+    ends and a line per failure; status 1 when a job failed, 2 when the selection is unknown."""
+    from .precompile import compile_jobs, select_jobs
+
+    try:
+        if workers is not None and workers < 1:
+            raise ValueError(f"--jobs must be at least 1, got {workers}")
+        jobs = select_jobs(ops, dtypes, precisions)
+    except ValueError as err:
+        print(f"attngrad compile: {err}", file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    print(f"compiling {len(jobs)} kernel sets (operator, direction, dtype, precision mode), "
+          f"{workers or 'one per core'} at a time", flush=True)
+    done = 0
+
+    def report(result):
+        nonlocal done
+        done += 1
+        status = "FAILED" if result.error else "cached"
+        print(f"[{done}/{len(jobs)}] {result.job}: {status} after {result.seconds:.1f} s", flush=True)
+
+    failed = [r for r in compile_jobs(jobs, workers, report) if r.error]
+    for result in failed:
+        print(f"attngrad compile: {result.job} {result.error}", file=sys.stderr)
+    print(f"{len(jobs) - len(failed)} of {len(jobs)} in the cache after {time.perf_counter() - start:.1f} s")
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="attngrad", description="attngrad: Huawei Ascend CANN's attention "
                                      "training operators on the CPU; one subcommand per task (docs in README.md).")
@@ -132,6 +164,13 @@ def main(argv: list[str] | None = None) -> int:
     ve = sub.add_parser("verify", help="precision sweep against the float64 golden")
     ve.add_argument("--op", action="append", help="operator name substring, case-insensitive (repeatable; default: "
                     "all; one that matches nothing lists the operators)")
+    co = sub.add_parser("compile", help="compile the kernels ahead of their first call, in parallel processes")
+    co.add_argument("--op", action="append", help="operator name substring, case-insensitive (repeatable; default: "
+                    "all)")
+    co.add_argument("--dtype", action="append", help="bfloat16, float16 or float32 (repeatable; default: all)")
+    co.add_argument("--precision", action="append", help="precision mode, npu or golden (repeatable; default: the "
+                    "current mode, ATTNGRAD_PRECISION or npu)")
+    co.add_argument("--jobs", type=int, help="processes at once (default: one per core; each needs up to 1.5 GB)")
     be = sub.add_parser("bench", help="benchmark against the PyTorch peers (needs the cli and plot extras)")
     from .bench import add_arguments
     from .golden_cli import add_parsers as add_golden_parsers, main as run_golden_command
@@ -145,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_examples(args.names)
     if args.command == "verify":
         return run_verify(args.op)
+    if args.command == "compile":
+        return run_compile(args.op, args.dtype, args.precision, args.jobs)
     if args.command == "train":
         return run_train(args)
     if args.command in ("golden", "compare"):
