@@ -117,10 +117,15 @@ def test_the_child_compiles_with_the_collector_paused_and_collects_after_each_sp
     RECORDER.calls.clear()
     collected_after = []
     monkeypatch.setattr(child_compile.gc, "collect", lambda: collected_after.append(len(RECORDER.calls)))
-    child_compile.compile_here({"specialisations": [(__name__, "RECORDER", ("a",)), (__name__, "RECORDER", ("b",))]})
+    try:
+        child_compile.compile_here({"specialisations": [(__name__, "RECORDER", ("a",)),
+                                                        (__name__, "RECORDER", ("b",))]})
+        restored = gc.isenabled()
+    finally:
+        gc.enable()  # whatever happened, for the tests after this one
     assert RECORDER.calls == [(("a",), False), (("b",), False)]
     assert collected_after == [1, 2]
-    assert gc.isenabled()  # restored for a caller in its own process
+    assert restored  # for a caller in its own process
 
 
 def test_switched_off_the_kernel_compiles_in_this_process(kernel, monkeypatch):

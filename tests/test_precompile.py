@@ -1,25 +1,31 @@
-"""``attngrad compile``: which jobs a selection makes, how a failing job is reported, and that a job fills numba's
-cache so that a later process runs the operator on other shapes without compiling anything."""
+"""``attngrad compile``: which jobs a selection makes, how a failing, hanging or interrupted job is handled, that
+each job's calls pass the operators' checks, and that a job fills numba's cache so that a later process runs the
+operator on other shapes without compiling anything."""
 
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from attngrad import precompile
 from attngrad.cli import main
+from attngrad.kernels import child_compile
 
 
-def test_operators_are_selected_by_substring_and_dtypes_by_name():
+def test_operators_are_selected_by_cann_name_substring_dtypes_and_modes(monkeypatch):
+    monkeypatch.delenv("ATTNGRAD_PRECISION", raising=False)
     jobs = precompile.select_jobs(["softmax"], ["float32", "bfloat16"])
     assert [str(j) for j in jobs] == [
-        "ScaledMaskedSoftmax backward bfloat16 (npu)", "ScaledMaskedSoftmax backward float32 (npu)",
-        "ScaledMaskedSoftmax forward bfloat16 (npu)", "ScaledMaskedSoftmax forward float32 (npu)"]
-    assert len(precompile.select_jobs()) == len(precompile.OPERATORS) * 2 * len(precompile.DTYPES)
-    both = precompile.select_jobs(["FlashAttention"], ["float16"], ["golden", "npu"])
-    assert [(j.direction, j.precision) for j in both] == [("backward", "npu"), ("backward", "golden"),
-                                                          ("forward", "npu"), ("forward", "golden")]
+        "ScaledMaskedSoftmax bfloat16 (npu)", "ScaledMaskedSoftmax float32 (npu)",
+        "ScaledMaskedSoftmaxBackward bfloat16 (npu)", "ScaledMaskedSoftmaxBackward float32 (npu)"]
+    assert len(precompile.select_jobs()) == len(precompile.OPERATORS) * len(precompile.DTYPES)
+    both = precompile.select_jobs(["grad"], ["float16"], ["golden", "npu"])
+    assert [str(j) for j in both] == ["FlashAttentionScoreGrad float16 (npu)",
+                                      "FlashAttentionScoreGrad float16 (golden)"]
 
 
 def test_the_default_precision_mode_is_the_current_one(monkeypatch):
@@ -27,23 +33,91 @@ def test_the_default_precision_mode_is_the_current_one(monkeypatch):
     assert {j.precision for j in precompile.select_jobs(["segsum"])} == {"golden"}
 
 
-@pytest.mark.parametrize("argv, message", [(["--op", "nothing"], "no operator matches ['nothing']"),
-                                           (["--dtype", "int8"], "unknown dtype int8"),
-                                           (["--precision", "exact"], "unknown precision mode exact"),
-                                           (["--jobs", "0"], "--jobs must be at least 1, got 0")])
-def test_an_unknown_selection_exits_with_status_2_and_says_why(argv, message, capsys):
-    assert main(["compile", *argv]) == 2
-    assert message in capsys.readouterr().err
+def test_an_unknown_selection_exits_with_status_2_and_says_why(capsys):
+    assert main(["compile", "--op", "nothing"]) == 2
+    assert "no operator matches 'nothing'; the operators: FlashAttentionScoreGrad" in capsys.readouterr().err
+    assert main(["compile", "--jobs", "0"]) == 2
+    assert "--jobs must be at least 1, got 0" in capsys.readouterr().err
+    for option in ("--dtype", "--precision"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["compile", option, "exact"])
+        assert exit_.value.code == 2
+        assert "invalid choice: 'exact'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("op", precompile.OPERATORS)
+def test_each_job_calls_pass_the_operators_checks(op, dtype, monkeypatch):
+    monkeypatch.setattr(child_compile, "_failed", set())  # this test's kernels only
+    precompile.run_job(op, dtype, "npu")  # raises on a rejected argument or a kernel compiled outside the cache
 
 
 def test_a_failing_job_is_named_with_its_error_and_the_status_is_1(monkeypatch, capsys):
     monkeypatch.setattr(precompile.Job, "command",
-                        lambda self: [sys.executable, "-c", f"raise SystemExit('no {self.direction} here')"])
+                        lambda self: [sys.executable, "-c", f"raise SystemExit('no {self.op} here')"])
     assert main(["compile", "--op", "segsum", "--dtype", "float32", "--jobs", "2"]) == 1
     out, err = capsys.readouterr()
-    assert "ExpSegsum backward float32 (npu) failed with status 1: no backward here" in err
-    assert "ExpSegsum forward float32 (npu) failed with status 1: no forward here" in err
+    assert "ExpSegsumBackward float32 (npu) failed with status 1: no ExpSegsumBackward here" in err
+    assert "ExpSegsum float32 (npu) failed with status 1: no ExpSegsum here" in err
     assert "0 of 2 in the cache" in out
+
+
+def _sleeping_job(pid_file):
+    """A job command that starts a grandchild (writing its pid to ``pid_file``) and sleeps, as would a job whose
+    compiling child hangs."""
+    grandchild = f"import os, time; open({str(pid_file)!r}, 'a').write(f'{{os.getpid()}} '); time.sleep(600)"
+    return lambda self: [sys.executable, "-c", f"import subprocess, sys, time; "
+                         f"subprocess.Popen([sys.executable, '-c', {grandchild!r}]); time.sleep(600)"]
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (or is a zombie) within 5 s."""
+    for _ in range(100):
+        try:
+            with open(f"/proc/{pid}/status") as status:
+                if "zombie" in status.read():
+                    return True
+        except FileNotFoundError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _grandchild_pid(pid_file) -> int:
+    for _ in range(200):
+        if pid_file.exists() and pid_file.read_text():
+            return int(pid_file.read_text().split()[0])
+        time.sleep(0.05)
+    raise AssertionError("the grandchild did not start")
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc") or not hasattr(os, "killpg"), reason="needs /proc and process groups")
+def test_a_job_past_its_time_is_killed_with_its_children(monkeypatch, tmp_path):
+    monkeypatch.setattr(precompile.Job, "command", _sleeping_job(tmp_path / "pid"))
+    monkeypatch.setattr(precompile, "JOB_TIMEOUT_S", 3.0)
+    [result] = precompile.compile_jobs(precompile.select_jobs(["ExpSegsum"], ["float32"])[:1])
+    assert result.error.startswith("ran past 3 s and was killed")
+    assert _gone(_grandchild_pid(tmp_path / "pid"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc") or not hasattr(os, "killpg"), reason="needs /proc and process groups")
+def test_an_interrupt_kills_the_running_job_with_its_children_and_starts_no_other(monkeypatch, tmp_path):
+    """Ctrl-C (a SIGINT once the first job's grandchild is up) while a job runs, one at a time."""
+    pid_file = tmp_path / "pid"
+    monkeypatch.setattr(precompile.Job, "command", _sleeping_job(pid_file))
+    monkeypatch.setattr(precompile, "JOB_TIMEOUT_S", 60.0)  # bounds the test should the interrupt not come
+    def press_ctrl_c():  # a real SIGINT: it wakes the main thread's wait, as Ctrl-C does
+        _grandchild_pid(pid_file)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    threading.Thread(target=press_ctrl_c, daemon=True).start()
+    start = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        precompile.compile_jobs(precompile.select_jobs(None, ["float32"]), 1)
+    assert time.perf_counter() - start < 30
+    assert _gone(_grandchild_pid(pid_file))
+    time.sleep(1.0)
+    assert len(pid_file.read_text().split()) == 1  # the five other jobs never started
 
 
 _LATER_PROCESS = """
@@ -62,11 +136,11 @@ print("compile children:", len(children))
 
 
 def test_a_compiled_operator_runs_other_shapes_in_a_later_process_without_compiling(tmp_path):
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "ATTNGRAD_COMPILE_IN_CHILD": "1"}
     compiled = subprocess.run([sys.executable, "-m", "attngrad.cli", "compile", "--op", "ScaledMaskedSoftmax",
                                "--dtype", "float32"], env=env, capture_output=True, text=True, timeout=900)
     assert compiled.returncode == 0, compiled.stderr
-    assert "2 of 2 in the cache" in compiled.stdout
+    assert f"into {tmp_path}" in compiled.stdout and "2 of 2 in the cache" in compiled.stdout
     later = subprocess.run([sys.executable, "-c", _LATER_PROCESS], env=env, capture_output=True, text=True,
                            timeout=900)
     assert later.returncode == 0, later.stderr

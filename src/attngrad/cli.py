@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import os
 import pkgutil
+import signal
 import sys
+import threading
 import time
 
 
@@ -127,8 +131,9 @@ def run_verify(ops: list[str] | None) -> int:
 def run_compile(ops: list[str] | None, dtypes: list[str] | None, precisions: list[str] | None,
                 workers: int | None) -> int:
     """Compile the selected operators' kernels into numba's cache (:mod:`.precompile`), printing each job as it
-    ends and a line per failure; status 1 when a job failed, 2 when the selection is unknown."""
-    from .precompile import compile_jobs, select_jobs
+    ends and a line per failure; status 1 when a job failed, 2 when the selection is unknown, 130 when interrupted
+    (SIGTERM and SIGHUP stop it as Ctrl-C does: the running jobs are killed)."""
+    from .precompile import compile_jobs, select_jobs, worker_count
 
     try:
         if workers is not None and workers < 1:
@@ -138,8 +143,8 @@ def run_compile(ops: list[str] | None, dtypes: list[str] | None, precisions: lis
         print(f"attngrad compile: {err}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    print(f"compiling {len(jobs)} kernel sets (operator, direction, dtype, precision mode), "
-          f"{workers or 'one per core'} at a time", flush=True)
+    print(f"compiling {len(jobs)} kernel sets (operator, dtype, precision mode), {worker_count(jobs, workers)} at a "
+          f"time, into {_numba_cache_dir()}", flush=True)
     done = 0
 
     def report(result):
@@ -148,11 +153,42 @@ def run_compile(ops: list[str] | None, dtypes: list[str] | None, precisions: lis
         status = "FAILED" if result.error else "cached"
         print(f"[{done}/{len(jobs)}] {result.job}: {status} after {result.seconds:.1f} s", flush=True)
 
-    failed = [r for r in compile_jobs(jobs, workers, report) if r.error]
+    try:
+        with _signals_raise(signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+            failed = [r for r in compile_jobs(jobs, workers, report) if r.error]
+    except KeyboardInterrupt:
+        print("attngrad compile: interrupted; the running jobs were stopped", file=sys.stderr)
+        return 130
     for result in failed:
         print(f"attngrad compile: {result.job} {result.error}", file=sys.stderr)
     print(f"{len(jobs) - len(failed)} of {len(jobs)} in the cache after {time.perf_counter() - start:.1f} s")
     return 1 if failed else 0
+
+
+def _numba_cache_dir() -> str:
+    """Where numba caches the kernels: ``NUMBA_CACHE_DIR``, else beside the kernel modules."""
+    from numba.core import config
+
+    from . import kernels
+
+    return config.CACHE_DIR or os.path.join(os.path.dirname(kernels.__file__), "__pycache__")
+
+
+@contextlib.contextmanager
+def _signals_raise(*signals):
+    """Within the block, each of ``signals`` (None: one this system lacks) raises SystemExit(128 + signal number)
+    instead of ending the process unwound; nothing changes outside the main thread, where handlers cannot be set."""
+    def raise_exit(signum, frame):
+        raise SystemExit(128 + signum)
+
+    in_main = threading.current_thread() is threading.main_thread()
+    present = [sig for sig in signals if sig is not None and in_main]
+    previous = [signal.signal(sig, raise_exit) for sig in present]
+    try:
+        yield
+    finally:
+        for sig, handler in zip(present, previous):
+            signal.signal(sig, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -164,12 +200,16 @@ def main(argv: list[str] | None = None) -> int:
     ve = sub.add_parser("verify", help="precision sweep against the float64 golden")
     ve.add_argument("--op", action="append", help="operator name substring, case-insensitive (repeatable; default: "
                     "all; one that matches nothing lists the operators)")
+    from .precision_mode import MODES
+    from .precompile import DTYPES
+
     co = sub.add_parser("compile", help="compile the kernels ahead of their first call, in parallel processes")
-    co.add_argument("--op", action="append", help="operator name substring, case-insensitive (repeatable; default: "
-                    "all)")
-    co.add_argument("--dtype", action="append", help="bfloat16, float16 or float32 (repeatable; default: all)")
-    co.add_argument("--precision", action="append", help="precision mode, npu or golden (repeatable; default: the "
-                    "current mode, ATTNGRAD_PRECISION or npu)")
+    co.add_argument("--op", action="append", help="CANN operator name substring, case-insensitive (repeatable; "
+                    "default: all; 'Grad' or 'Backward' select the backward operators)")
+    co.add_argument("--dtype", action="append", choices=DTYPES, help="repeatable; default: all")
+    co.add_argument("--precision", action="append", choices=MODES, help="precision mode (repeatable: "
+                    "--precision npu --precision golden compiles both; default: the current mode, "
+                    "ATTNGRAD_PRECISION or npu)")
     co.add_argument("--jobs", type=int, help="processes at once (default: one per core; each needs up to 1.5 GB)")
     be = sub.add_parser("bench", help="benchmark against the PyTorch peers (needs the cli and plot extras)")
     from .bench import add_arguments

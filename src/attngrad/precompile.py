@@ -3,13 +3,14 @@
 A kernel specialisation compiles on its first call and is then loaded from numba's disk cache by every later
 process; with an empty cache a first call waits for its kernels to compile, flash attention's the longest (timings
 in docs/performance.md, 'First call in a fresh process'), its forward's and backward's one after the other. Each
-operator has one forward and one backward specialisation per dtype, whatever the shapes, layouts, masks, pse,
-dropout or varlen lengths (see docs/performance.md, 'Test suite time') and precision mode (golden mode's flash
-attention kernels are others), so one small call fills the cache for all calls of that dtype and mode.
+operator has one specialisation per dtype and precision mode (golden mode's flash attention kernels are others),
+whatever the shapes, layouts, masks, pse, dropout or varlen lengths (docs/performance.md, 'Test suite time'), so
+one small call fills the cache for all calls of that dtype and mode.
 
-:func:`compile_jobs` runs one such call per ``(operator, direction, dtype, precision mode)`` (:class:`Job`), each in
-a process of its own, several at once, so the compiles use every core (the processes share numba's locked cache).
-Each job process holds about 0.5 GB and its compiling child up to about 1 GB more.
+:func:`compile_jobs` runs one such call per ``(operator, dtype, precision mode)`` (:class:`Job`), each in a process
+of its own, several at once, so the compiles use every core (the processes share numba's locked cache). Each job
+process holds about 0.5 GB and its compiling child up to about 1 GB more. numba keys its cache by the CPU's model and
+features and uses a cache directory only where it can write, so the cache serves the machine it was filled on.
 """
 
 from __future__ import annotations
@@ -18,135 +19,174 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
-OPERATORS = ("FlashAttention", "ScaledMaskedSoftmax", "ExpSegsum")  # slowest to compile first
-DIRECTIONS = ("backward", "forward")
+from .kernels.child_compile import stderr_tail
+
 DTYPES = ("bfloat16", "float16", "float32")
 JOB_TIMEOUT_S = 3600.0
 
 
 @dataclass(frozen=True)
 class Job:
-    """Small calls of ``op``'s ``direction`` in ``dtype`` and ``precision`` mode (names from ``OPERATORS``,
-    ``DIRECTIONS``, ``DTYPES`` and :data:`.precision_mode.MODES`)."""
+    """Small calls of the CANN operator ``op`` (a key of :data:`_CALLS`) in ``dtype`` (one of ``DTYPES``) and
+    ``precision`` mode (one of :data:`.precision_mode.MODES`)."""
 
     op: str
-    direction: str
     dtype: str
     precision: str
 
     def command(self) -> list[str]:
-        """The interpreter command that runs :func:`run_job` for this job."""
-        return [sys.executable, "-c", f"from attngrad.precompile import run_job; "
-                f"run_job({self.op!r}, {self.direction!r}, {self.dtype!r}, {self.precision!r})"]
+        """The interpreter command that runs :func:`run_job` for this job, on this process's ``sys.path``."""
+        return [sys.executable, "-c", f"import sys; sys.path[:] = {sys.path!r}; from attngrad.precompile import "
+                f"run_job; run_job({self.op!r}, {self.dtype!r}, {self.precision!r})"]
 
     def __str__(self) -> str:
-        return f"{self.op} {self.direction} {self.dtype} ({self.precision})"
+        return f"{self.op} {self.dtype} ({self.precision})"
 
 
 @dataclass(frozen=True)
 class JobResult:
+    """A job's wall time in seconds and its error (None: its kernels are in the cache)."""
+
     job: Job
     seconds: float
-    error: str | None  # None: the job's kernels are in the cache
+    error: str | None
 
 
 def select_jobs(ops: list[str] | None = None, dtypes: list[str] | None = None,
                 precisions: list[str] | None = None) -> list[Job]:
-    """The jobs for the operators matching ``ops`` (case-insensitive substrings, as ``attngrad bench --op``; default
-    all), the ``dtypes`` (names in ``DTYPES``; default all) and the precision modes (default: the mode a call would
-    take now, :func:`.precision_mode.current_precision`), slowest first. ValueError names what is unknown."""
+    """The jobs for the operators matching ``ops`` (case-insensitive substrings of CANN's operator names, as
+    ``attngrad bench --op``; default all), the ``dtypes`` (default all) and the precision modes (default: the mode a
+    call would take now, :func:`.precision_mode.current_precision`), slowest first. ValueError when no operator
+    matches."""
     from .cli import op_selected
     from .precision_mode import MODES, current_precision
 
-    chosen_ops = [op for op in OPERATORS if op_selected(op, ops)]
-    if not chosen_ops:
-        raise ValueError(f"no operator matches {ops}; the operators: {', '.join(OPERATORS)}")
-    unknown = [d for d in dtypes or () if d not in DTYPES]
-    if unknown:
-        raise ValueError(f"unknown dtype {', '.join(unknown)}; the dtypes: {', '.join(DTYPES)}")
-    unknown = [m for m in precisions or () if m not in MODES]
-    if unknown:
-        raise ValueError(f"unknown precision mode {', '.join(unknown)}; the modes: {', '.join(MODES)}")
-    chosen_dtypes = [d for d in DTYPES if not dtypes or d in dtypes]
+    chosen = [op for op in _CALLS if op_selected(op, ops)]
+    if not chosen:
+        raise ValueError(f"no operator matches {', '.join(map(repr, ops))}; the operators: {', '.join(_CALLS)}")
     modes = [m for m in MODES if m in (precisions or [current_precision()])]
-    return [Job(op, direction, dtype, mode) for op in chosen_ops for direction in DIRECTIONS for dtype in chosen_dtypes
+    return [Job(op, dtype, mode) for op in chosen for dtype in DTYPES if not dtypes or dtype in dtypes
             for mode in modes]
+
+
+def worker_count(jobs: list[Job], workers: int | None = None) -> int:
+    """``workers``, by default the cores this process may run on, at most one per job and at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(workers or cores, len(jobs)))
 
 
 def compile_jobs(jobs: list[Job], workers: int | None = None,
                  on_done: Callable[[JobResult], None] | None = None) -> list[JobResult]:
-    """Run ``jobs`` in child processes, ``workers`` at a time (default: one per core, at most one per job);
-    ``on_done`` is called with each result as it comes. Results in the order of ``jobs``. An exception here
-    (Ctrl-C) stops the jobs not started and kills the running ones with their compiling children."""
-    workers = max(1, min(workers or os.cpu_count() or 1, len(jobs) or 1))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    results, running = {}, set()
-    pool = ThreadPoolExecutor(workers)
+    """Run ``jobs`` in child processes, :func:`worker_count` at a time; ``on_done`` is called with each result as
+    it comes. Results in the order of ``jobs``. An exception here (Ctrl-C, or SystemExit from a signal handler)
+    stops the jobs not started and kills the running ones, with their compiling children where the system has
+    process groups."""
+    running = _RunningJobs()
+    results = {}
+    pool = ThreadPoolExecutor(worker_count(jobs, workers))
     try:
-        futures = {pool.submit(_run_in_child, job, env, running): job for job in jobs}
+        futures = {pool.submit(running.run, job): job for job in jobs}
         for future in as_completed(futures):
             result = results[futures[future]] = future.result()
             if on_done:
                 on_done(result)
     except BaseException:
+        running.stop()
         pool.shutdown(wait=False, cancel_futures=True)
-        for proc in list(running):
-            _kill_group(proc)
         raise
     pool.shutdown()
     return [results[job] for job in jobs]
 
 
-def _run_in_child(job: Job, env: dict, running: set) -> JobResult:
-    """Run ``job`` in a process of its own process group (listed in ``running`` meanwhile), at most
-    ``JOB_TIMEOUT_S``."""
-    start = time.perf_counter()
+class _RunningJobs:
+    """The job processes running now; once :meth:`stop` is called, no new one starts."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._procs: set[subprocess.Popen] = set()
+        self._stopping = False
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping = True
+            for proc in self._procs:
+                if proc.returncode is None:  # not reaped: its process group is still its own
+                    _kill_group(proc)
+
+    def run(self, job: Job) -> JobResult:
+        """Run ``job`` in a process of its own process group, at most ``JOB_TIMEOUT_S``."""
+        start = time.perf_counter()
+        with self._lock:
+            if self._stopping:
+                return JobResult(job, 0.0, "not started: stopped")
+            try:
+                proc = subprocess.Popen(job.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                        start_new_session=True)
+            except OSError as exc:
+                return JobResult(job, 0.0, f"did not start: {exc}")
+            self._procs.add(proc)
+        try:
+            _, stderr = proc.communicate(timeout=JOB_TIMEOUT_S)
+            error = _exit_error(proc.returncode, stderr)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            error = f"ran past {JOB_TIMEOUT_S:.0f} s and was killed: {stderr_tail(_stderr_left(proc))}"
+        finally:
+            with self._lock:
+                self._procs.discard(proc)
+        return JobResult(job, time.perf_counter() - start, error)
+
+
+def _stderr_left(proc: subprocess.Popen) -> bytes:
+    """What a killed job wrote to stderr, waiting at most 10 s for the end of the pipe (a process the job started and
+    that outlived it, where the system has no process groups, may hold it open)."""
     try:
-        proc = subprocess.Popen(job.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
-                                start_new_session=True)
-    except OSError as exc:
-        return JobResult(job, 0.0, f"did not start: {exc}")
-    running.add(proc)
-    try:
-        _, stderr = proc.communicate(timeout=JOB_TIMEOUT_S)
+        return proc.communicate(timeout=10.0)[1]
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        proc.communicate()
-        error = f"ran past {JOB_TIMEOUT_S:.0f} s"
-    else:
-        tail = stderr.decode(errors="replace").strip()[-1500:]
-        error = f"failed with status {proc.returncode}: {tail}" if proc.returncode else None
-    finally:
-        running.discard(proc)
-    return JobResult(job, time.perf_counter() - start, error)
+        proc.wait()
+        return b""
+
+
+def _exit_error(status: int, stderr: bytes) -> str | None:
+    if status == 0:
+        return None
+    if status < 0:
+        return f"killed by signal {-status} (out of memory? try fewer --jobs): {stderr_tail(stderr)}"
+    return f"failed with status {status}: {stderr_tail(stderr)}"
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """Kill ``proc`` and the processes it started (its process group)."""
+    """Kill ``proc``'s process group (``proc`` and the processes it started), or ``proc`` alone without groups."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
-    except (AttributeError, OSError):  # no process groups (Windows), or already gone
-        proc.kill()
+    except (AttributeError, OSError):  # no process groups (Windows), or the group is gone
+        if proc.poll() is None:
+            proc.kill()
 
 
-def run_job(op: str, direction: str, dtype: str, precision: str) -> None:
-    """A job's side: the small calls of ``op``'s ``direction`` in ``dtype`` (see :data:`_CALLS`) in ``precision``
-    mode."""
+def run_job(op: str, dtype: str, precision: str) -> None:
+    """A job's side: :data:`_CALLS` ``[op]`` in ``dtype`` and ``precision`` mode; SystemExit where a kernel
+    compiled in this process instead of its child (:mod:`.kernels.child_compile`), so that the cache may lack it."""
     import torch
 
+    from .kernels import child_compile
     from .precision_mode import precision_mode
 
     with precision_mode(precision):
-        _CALLS[op, direction](getattr(torch, dtype))
+        _CALLS[op](getattr(torch, dtype))
+    if child_compile.failed_kernels():
+        raise SystemExit(f"compiled in this process, not through the disk cache: {child_compile.failed_kernels()}")
 
 
 def _flash_attention_inputs(dtype):
-    """q, k, v, dy ``[1, 2, 128, 64]`` and the keywords of a plain call and of a causal one with pse and dropout."""
+    """q, k, v, dy ``[1, 2, 128, 64]`` BNSD of ``dtype`` and the keywords of two calls: plain, and causal (sparse
+    mode 2) with a dense pse and dropout."""
     import torch
 
     from .kernels.dropout import generate_drop_mask
@@ -168,7 +208,8 @@ def _flash_attention_forward(dtype):
 
 
 def _flash_attention_backward(dtype):
-    """The grad from given forward outputs (made up: only the compile counts), so no forward compiles here."""
+    """The grad from given forward outputs (made up: float32 ``[B, N, S, 8]`` statistics, dy as the output; only
+    the compile counts), so that it compiles beside the forward instead of after it."""
     import torch
 
     import attngrad
@@ -182,6 +223,7 @@ def _flash_attention_backward(dtype):
 
 
 def _softmax_inputs(dtype):
+    """x ``[2, 2, 64, 128]`` of ``dtype`` and a bool mask broadcast over the heads, ``[2, 1, 64, 128]``."""
     import torch
 
     x = torch.randn(2, 2, 64, 128).to(dtype)
@@ -195,6 +237,7 @@ def _softmax_forward(dtype):
 
 
 def _softmax_backward(dtype):
+    """The backward of the :func:`_softmax_inputs` with dy = x and y = softmax(x)."""
     import torch
 
     import attngrad
@@ -204,6 +247,7 @@ def _softmax_backward(dtype):
 
 
 def _exp_segsum_forward(dtype):
+    """ExpSegsum of a ``[2, 4, 64]`` input."""
     import torch
 
     import attngrad
@@ -212,6 +256,7 @@ def _exp_segsum_forward(dtype):
 
 
 def _exp_segsum_backward(dtype):
+    """ExpSegsumBackward of two ``[2, 4, 64, 64]`` inputs."""
     import torch
 
     import attngrad
@@ -220,9 +265,11 @@ def _exp_segsum_backward(dtype):
     attngrad.exp_segsum_backward(*grads)
 
 
-_CALLS = {("FlashAttention", "forward"): _flash_attention_forward,
-          ("FlashAttention", "backward"): _flash_attention_backward,
-          ("ScaledMaskedSoftmax", "forward"): _softmax_forward,
-          ("ScaledMaskedSoftmax", "backward"): _softmax_backward,
-          ("ExpSegsum", "forward"): _exp_segsum_forward,
-          ("ExpSegsum", "backward"): _exp_segsum_backward}
+# CANN operator -> its small calls, slowest to compile first
+_CALLS = {"FlashAttentionScoreGrad": _flash_attention_backward,
+          "FlashAttentionScore": _flash_attention_forward,
+          "ScaledMaskedSoftmax": _softmax_forward,
+          "ScaledMaskedSoftmaxBackward": _softmax_backward,
+          "ExpSegsumBackward": _exp_segsum_backward,
+          "ExpSegsum": _exp_segsum_forward}
+OPERATORS = tuple(_CALLS)

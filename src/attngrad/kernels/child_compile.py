@@ -132,8 +132,8 @@ def _compile_in_child(kernel, signature: tuple, companions: tuple = ()) -> str |
         try:
             proc = subprocess.run([sys.executable, "-c", _BOOTSTRAP], input=job, capture_output=True, env=env,
                                   timeout=max(1.0, deadline - time.monotonic()))
-            tail = proc.stderr.decode(errors="replace").strip()[-1500:]
-            failure = f"the child process failed with status {proc.returncode}: {tail}" if proc.returncode else None
+            failure = (f"the child process failed with status {proc.returncode}: {stderr_tail(proc.stderr)}"
+                       if proc.returncode else None)
         except subprocess.TimeoutExpired:
             failure = f"the child process ran past {TIMEOUT_S:.0f} s"
         except OSError as exc:
@@ -143,6 +143,16 @@ def _compile_in_child(kernel, signature: tuple, companions: tuple = ()) -> str |
             _log.debug("%s: in the disk cache, but then %s", _name(kernel), failure)
         return None
     return failure or "the child process left nothing in the disk cache"
+
+
+def stderr_tail(stderr: bytes) -> str:
+    """The end of a child process's stderr (its last 1500 characters), decoded, for an error message."""
+    return stderr.decode(errors="replace").strip()[-1500:]
+
+
+def failed_kernels() -> list[str]:
+    """The kernels of this process whose child process failed, so that they compiled here (sorted names)."""
+    return sorted(_failed)
 
 
 def compile_lock_path(kernel, signature: tuple) -> str:
@@ -189,8 +199,9 @@ def _give_up(kernel, reason: str) -> None:
 def compile_here(job: dict) -> None:
     """The child's side: import each kernel's module, compile its signature (saved to the disk cache), in the order
     of ``job['specialisations']``. The garbage collector is paused while a specialisation compiles and runs once after
-    it: numba's passes make and drop millions of objects, and the collector's passes over them took a fifth of a
-    large kernel's compile time; the child's peak memory grows instead (docs/performance.md, 'Test suite time')."""
+    it: numba's passes make and drop millions of objects, and the collector's passes over them are a measurable share
+    of a large kernel's compile time; the child's peak memory grows instead (docs/performance.md, 'Test suite
+    time')."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
