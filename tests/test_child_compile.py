@@ -16,7 +16,7 @@ import pytest
 from numba import typeof
 
 from attngrad.kernels import child_compile
-from attngrad.kernels.layouts import launch_strided, launch_workers
+from attngrad.kernels.layouts import launch_strided, launch_workers, strided_signature
 
 _KERNEL_MODULE = """
 import os
@@ -86,6 +86,20 @@ def test_a_kernel_and_its_worker_compile_in_one_child(kernel, monkeypatch):
     assert len(children) == 1
     for function in (module.add_one_kernel, module.add_one_worker):
         assert (sum(function.stats.cache_hits.values()), sum(function.stats.cache_misses.values())) == (1, 0)
+
+
+def test_the_callback_of_on_first_child_runs_once_before_the_first_child(kernel):
+    """Armed for a context: called when a specialisation missing from the cache is about to compile in a child (not
+    yet in the cache then), once, whatever compiles after it; never where no child is needed."""
+    seen = []
+    signature = (typeof(np.zeros(4)), typeof(np.zeros(4)))
+    with child_compile.on_first_child(lambda: seen.append(child_compile._in_cache(kernel, signature))):
+        assert _launch(kernel) == (1, 0)
+        launch_strided(kernel, np.zeros(4, np.float32), np.zeros(4, np.float32))  # a second child
+    assert seen == [False]
+    with child_compile.on_first_child(lambda: seen.append("no child")):
+        child_compile.compile_cached(kernel, strided_signature((np.zeros(4), np.zeros(4))))
+    assert seen == [False]
 
 
 def test_a_companion_that_fails_in_the_child_leaves_the_first_specialisation_loaded(kernel, recwarn):

@@ -15,12 +15,14 @@ in this process instead, as numba does by default, where the child cannot help: 
 (set in the child itself, so it never recurses), a kernel without a disk cache (``cache=False``) or not
 importable by name (defined in a function), no interpreter to start; and, with a warning, where the child fails,
 times out (:data:`TIMEOUT_S`) or leaves nothing in the cache, or the signature cannot be pickled (the kernel's
-later specialisations then compile in this process too).
+later specialisations then compile in this process too). :func:`on_first_child` lets a caller act when a child is
+about to start (:func:`.precompile.call_forward` starts the backward's compile beside the forward's).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import gc
 import hashlib
 import importlib
@@ -44,6 +46,7 @@ TIMEOUT_S = 900.0  # the largest kernels compile in 1-2 minutes alone, several t
 
 _log = logging.getLogger(__name__)
 _failed: set[str] = set()  # kernels whose child failed once: their other specialisations compile here
+_on_first_child = contextvars.ContextVar("attngrad_on_first_child", default=None)  # :func:`on_first_child`
 
 _BOOTSTRAP = ("import pickle, sys; job = pickle.load(sys.stdin.buffer); sys.path[:] = job['path']; "
               "from attngrad.kernels.child_compile import compile_here; compile_here(job)")
@@ -51,7 +54,18 @@ _BOOTSTRAP = ("import pickle, sys; job = pickle.load(sys.stdin.buffer); sys.path
 
 def enabled() -> bool:
     """Whether new specialisations compile in a child process (``ATTNGRAD_COMPILE_IN_CHILD``, default on)."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+    return switched_on(ENV_SWITCH)
+
+
+def switched_on(variable: str) -> bool:
+    """Whether the environment variable ``variable`` is on: unset, or anything but 0, false, no, off."""
+    return os.environ.get(variable, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def child_environment() -> dict[str, str]:
+    """The environment of a process that fills this process's numba cache: this one's, with ``NUMBA_CACHE_DIR``
+    where this process set numba's cache directory in code."""
+    return {**os.environ, **({"NUMBA_CACHE_DIR": config.CACHE_DIR} if config.CACHE_DIR else {})}
 
 
 def compile_cached(kernel, signature: tuple, companions: tuple = ()):
@@ -61,6 +75,7 @@ def compile_cached(kernel, signature: tuple, companions: tuple = ()):
     from the cache (a kernel after its worker: one interpreter start for both); they are not loaded here."""
     reason = _why_not_in_child(kernel, signature)
     if reason is None:
+        _announce_child()
         start = time.perf_counter()
         reason = _compile_in_child(kernel, signature, companions)
         if reason is None:
@@ -75,6 +90,28 @@ def compile_cached(kernel, signature: tuple, companions: tuple = ()):
     else:
         _log.debug("%s %s: no child process (%s)", _name(kernel), signature, reason)
     return kernel.compile(signature)
+
+
+@contextlib.contextmanager
+def on_first_child(callback):
+    """While this context lasts in this thread, ``callback()`` is called once, when a kernel specialisation is about to
+    compile in a child process (the cache lacks it); nothing is called when every kernel comes from the cache."""
+    token = _on_first_child.set(callback)
+    try:
+        yield
+    finally:
+        _on_first_child.reset(token)
+
+
+def _announce_child() -> None:
+    """Call the armed :func:`on_first_child` callback, once; an error in it is logged, the compile goes on."""
+    callback = _on_first_child.get()
+    if callback is not None:
+        _on_first_child.set(None)  # the context's exit restores the value before it
+        try:
+            callback()
+        except Exception:  # noqa: BLE001 - the callback is an optimisation, never a reason for a call to fail
+            _log.debug("the on_first_child callback failed", exc_info=True)
 
 
 def _name(kernel) -> str:
@@ -126,9 +163,7 @@ def _compile_in_child(kernel, signature: tuple, companions: tuple = ()) -> str |
             return f"another process held the compile lock for {TIMEOUT_S:.0f} s"
         if _in_cache(kernel, signature):  # another process compiled it while this one waited
             return None
-        env = {**os.environ, ENV_SWITCH: "0"}
-        if config.CACHE_DIR:
-            env["NUMBA_CACHE_DIR"] = config.CACHE_DIR
+        env = {**child_environment(), ENV_SWITCH: "0"}
         try:
             proc = subprocess.run([sys.executable, "-c", _BOOTSTRAP], input=job, capture_output=True, env=env,
                                   timeout=max(1.0, deadline - time.monotonic()))
