@@ -11,10 +11,15 @@ one small call fills the cache for all calls of that dtype and mode.
 of its own, several at once, so the compiles use every core (the processes share numba's locked cache). Each job
 process holds about 0.5 GB and its compiling child up to about 1 GB more. numba keys its cache by the CPU's model and
 features and uses a cache directory only where it can write, so the cache serves the machine it was filled on.
+
+Without the command, a forward call that autograd will differentiate starts its backward operator's job in the
+background when the forward's kernels compile (:func:`call_forward`), so the two compile side by side there too.
 """
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import signal
 import subprocess
@@ -25,10 +30,16 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 
+import torch
+
+from .kernels import child_compile
 from .kernels.child_compile import stderr_tail
 
 DTYPES = ("bfloat16", "float16", "float32")
 JOB_TIMEOUT_S = 3600.0
+EARLY_BACKWARD_ENV = "ATTNGRAD_COMPILE_BACKWARD_EARLY"
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -127,7 +138,7 @@ class _RunningJobs:
                 return JobResult(job, 0.0, "not started: stopped")
             try:
                 proc = subprocess.Popen(job.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                        start_new_session=True)
+                                        env=child_compile.child_environment(), start_new_session=True)
             except OSError as exc:
                 return JobResult(job, 0.0, f"did not start: {exc}")
             self._procs.add(proc)
@@ -170,12 +181,72 @@ def _kill_group(proc: subprocess.Popen) -> None:
             proc.kill()
 
 
+# the backward jobs of :func:`call_forward` by (operator, torch dtype, precision mode): the job's process and the pid of
+# the process that started it, or None where none started (the forward's kernels came from the cache, or no start)
+_early: dict[tuple, tuple[subprocess.Popen, int] | None] = {}
+_early_lock = threading.Lock()
+
+
+def call_forward(forward, args: tuple, grad_op: str, precision: str):
+    """``forward(*args)``: a forward custom op, ``args[0]`` its main input. The first time autograd will differentiate
+    such a call (grad mode on, a tensor argument that requires grad; not while torch.compile traces), if one of its
+    kernels is about to compile (:func:`.kernels.child_compile.on_first_child`), the job of its backward operator
+    ``grad_op`` in ``args[0]``'s dtype and the ``precision`` mode starts in the background (:func:`_start_early`), so
+    that the backward's kernels compile while the forward's do. A backward that asks for a kernel the job is
+    compiling waits for it (the compile lock) and loads it."""
+    if torch.compiler.is_compiling() or not _differentiated(args):
+        return forward(*args)
+    key = (grad_op, args[0].dtype, precision)
+    if key in _early:
+        return forward(*args)
+    with child_compile.on_first_child(lambda: _start_early(key)):
+        result = forward(*args)
+    _early.setdefault(key, None)
+    return result
+
+
+def _differentiated(args: tuple) -> bool:
+    """Whether autograd records a call on ``args``."""
+    return torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+def _start_early(key: tuple) -> None:
+    """Start the job of ``key`` (:data:`_early`) in a process group of its own, its output discarded: a job that
+    fails costs the backward only the wait, after which it compiles its kernels itself. Nothing starts where
+    ``ATTNGRAD_COMPILE_BACKWARD_EARLY=0``, for a dtype without jobs, or off POSIX (no compile lock or process
+    group: the two would compile the same kernels, and the job could not be killed with its child)."""
+    grad_op, dtype, precision = key
+    job = Job(grad_op, str(dtype).removeprefix("torch."), precision)
+    if job.dtype not in DTYPES or os.name != "posix" or not child_compile.switched_on(EARLY_BACKWARD_ENV):
+        return
+    with _early_lock:
+        if _early.get(key) is not None:  # another thread's forward started it
+            return
+        try:
+            proc = subprocess.Popen(job.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, env=child_compile.child_environment(),
+                                    start_new_session=True)
+        except OSError as exc:
+            _log.debug("%s: did not start beside its forward: %s", job, exc)
+            return
+        _early[key] = proc, os.getpid()
+    threading.Thread(target=proc.wait, daemon=True).start()  # reaps it when it ends
+    _log.debug("%s: compiling beside its forward (process %d)", job, proc.pid)
+
+
+@atexit.register
+def _stop_early() -> None:
+    """At exit: kill the backward jobs this process started that still run, with their compiling children (a process
+    killed by a signal leaves them to finish their compile)."""
+    for started in list(_early.values()):
+        if started and started[1] == os.getpid() and started[0].poll() is None:
+            _kill_group(started[0])
+            started[0].wait()
+
+
 def run_job(op: str, dtype: str, precision: str) -> None:
     """A job's side: :data:`_CALLS` ``[op]`` in ``dtype`` and ``precision`` mode; SystemExit where a kernel
     compiled in this process instead of its child (:mod:`.kernels.child_compile`), so that the cache may lack it."""
-    import torch
-
-    from .kernels import child_compile
     from .precision_mode import precision_mode
 
     with precision_mode(precision):
@@ -187,8 +258,6 @@ def run_job(op: str, dtype: str, precision: str) -> None:
 def _flash_attention_inputs(dtype):
     """q, k, v, dy ``[1, 2, 128, 64]`` BNSD of ``dtype`` and the keywords of two calls: plain, and causal (sparse
     mode 2) with a dense pse and dropout."""
-    import torch
-
     from .kernels.dropout import generate_drop_mask
 
     b, n, s, d = 1, 2, 128, 64
@@ -210,8 +279,6 @@ def _flash_attention_forward(dtype):
 def _flash_attention_backward(dtype):
     """The grad from given forward outputs (made up: float32 ``[B, N, S, 8]`` statistics, dy as the output; only
     the compile counts), so that it compiles beside the forward instead of after it."""
-    import torch
-
     import attngrad
 
     (q, k, v, dy), calls = _flash_attention_inputs(dtype)
@@ -224,8 +291,6 @@ def _flash_attention_backward(dtype):
 
 def _softmax_inputs(dtype):
     """x ``[2, 2, 64, 128]`` of ``dtype`` and a bool mask broadcast over the heads, ``[2, 1, 64, 128]``."""
-    import torch
-
     x = torch.randn(2, 2, 64, 128).to(dtype)
     return x, torch.rand(2, 1, 64, 128) < 0.2
 
@@ -238,8 +303,6 @@ def _softmax_forward(dtype):
 
 def _softmax_backward(dtype):
     """The backward of the :func:`_softmax_inputs` with dy = x and y = softmax(x)."""
-    import torch
-
     import attngrad
 
     x, mask = _softmax_inputs(dtype)
@@ -248,8 +311,6 @@ def _softmax_backward(dtype):
 
 def _exp_segsum_forward(dtype):
     """ExpSegsum of a ``[2, 4, 64]`` input."""
-    import torch
-
     import attngrad
 
     attngrad.exp_segsum(torch.randn(2, 4, 64).to(dtype))
@@ -257,8 +318,6 @@ def _exp_segsum_forward(dtype):
 
 def _exp_segsum_backward(dtype):
     """ExpSegsumBackward of two ``[2, 4, 64, 64]`` inputs."""
-    import torch
-
     import attngrad
 
     grads = (torch.rand(2, 4, 64, 64).to(dtype) for _ in range(2))

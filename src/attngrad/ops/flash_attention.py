@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.flash_attention_plan import UNBOUNDED_TOKENS, AttentionPlan
+from ..precompile import call_forward
 from ..validation import check_dim_equal, invalid, is_int64, is_real
 from . import flash_attention_varlen as varlen
 from .flash_attention_checks import (NO_OUTPUTS, absent, check_cann_sizes, check_dy_and_attention_in,
@@ -332,7 +333,7 @@ def score_grad_op_args(query, key, value, dy, attrs: AttentionAttrs,
 
 def score(query, key, value, attrs: AttentionAttrs, tensors: AttentionTensors = AttentionTensors()):
     """:func:`flash_attention_score` on parsed arguments: the ``attngrad::flash_attention_score`` op."""
-    return _score_op(*score_op_args(query, key, value, attrs, tensors))
+    return call_forward(_score_op, score_op_args(query, key, value, attrs, tensors), BACKWARD, attrs.precision)
 
 
 def score_grad(query, key, value, dy, attrs: AttentionAttrs, tensors: AttentionTensors = AttentionTensors()):

@@ -23,6 +23,7 @@ from ..kernels import scaled_masked_softmax as kernels
 from ..kernels.numeric import streams
 from ..kernels.tensor_view import kernel_view, new_output, unit_stride_rows
 from ..precision_mode import NPU, check_precision, current_precision
+from ..precompile import call_forward
 from ..validation import (FLOAT_DTYPES, check_dim_broadcast, check_dim_equal, check_dtype, check_float,
                           check_output_view, check_range, check_rank, check_same_dtype, check_shape, invalid, is_real,
                           require_tensor)
@@ -205,7 +206,8 @@ def scaled_masked_softmax(x, mask, scale=1.0, fix_triu_mask=False):
     """
     if not _schema_ready((x,), mask, scale, fix_triu_mask):  # the contract's error, not the schema's
         check_forward(x, mask, scale, fix_triu_mask)
-    return _forward_op(x, mask, float(scale), fix_triu_mask, current_precision())
+    # the backward's kernels are the same in both precision modes
+    return call_forward(_forward_op, (x, mask, float(scale), fix_triu_mask, current_precision()), BACKWARD, NPU)
 
 
 def scaled_masked_softmax_backward(grad_output, y, mask, scale=1.0, fix_triu_mask=False):
