@@ -1,6 +1,7 @@
 """``attngrad compile``: which jobs a selection makes, how a failing, hanging or interrupted job is handled, that
-each job's calls pass the operators' checks, and that a job fills numba's cache so that a later process runs the
-operator on other shapes without compiling anything."""
+each job's calls pass the operators' checks, that a job fills numba's cache so that a later process runs the
+operator on other shapes without compiling anything, and when a differentiated forward starts its backward's job
+beside its own compile."""
 
 import os
 import signal
@@ -172,6 +173,7 @@ def early_jobs(monkeypatch):
         proc.wait()
 
 
+@pytest.mark.skipif(os.name != "posix", reason="the jobs start on POSIX systems only")
 def test_a_differentiated_forward_that_compiles_starts_its_backward_job_once(early_jobs):
     x = torch.zeros(2, dtype=torch.bfloat16, requires_grad=True)
     for _ in range(2):
@@ -281,6 +283,7 @@ print("compile children:", len(children))
 """
 
 
+@pytest.mark.skipif(os.name != "posix", reason="the jobs start on POSIX systems only")
 def test_the_first_forward_with_grad_compiles_its_backward_beside_it(tmp_path):
     """With an empty cache the forward compiles in one child and starts the backward's job; once the job ends, the
     backward loads every kernel from the cache: the job compiled what autograd's call needs."""
