@@ -56,6 +56,12 @@ class Job:
         return [sys.executable, "-c", f"import sys; sys.path[:] = {sys.path!r}; from attngrad.precompile import "
                 f"run_job; run_job({self.op!r}, {self.dtype!r}, {self.precision!r})"]
 
+    def start(self, stderr) -> subprocess.Popen:
+        """Start :meth:`command` in a session of its own (a process group, killed with the processes it starts), on
+        this process's numba cache, its stdin and stdout discarded; OSError where it cannot start."""
+        return subprocess.Popen(self.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=stderr,
+                                env=child_compile.child_environment(), start_new_session=True)
+
     def __str__(self) -> str:
         return f"{self.op} {self.dtype} ({self.precision})"
 
@@ -137,8 +143,7 @@ class _RunningJobs:
             if self._stopping:
                 return JobResult(job, 0.0, "not started: stopped")
             try:
-                proc = subprocess.Popen(job.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                        env=child_compile.child_environment(), start_new_session=True)
+                proc = job.start(stderr=subprocess.PIPE)
             except OSError as exc:
                 return JobResult(job, 0.0, f"did not start: {exc}")
             self._procs.add(proc)
@@ -223,9 +228,7 @@ def _start_early(key: tuple) -> None:
         if _early.get(key) is not None:  # another thread's forward started it
             return
         try:
-            proc = subprocess.Popen(job.command(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, env=child_compile.child_environment(),
-                                    start_new_session=True)
+            proc = job.start(stderr=subprocess.DEVNULL)
         except OSError as exc:
             _log.debug("%s: did not start beside its forward: %s", job, exc)
             return
