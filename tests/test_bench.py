@@ -8,6 +8,7 @@ the plots, the scaling helpers (stop rules, slope fit, plot) and the first-call 
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib
 import json
 import math
@@ -248,12 +249,23 @@ def test_cli_runs_a_selected_quick_bench(tmp_path, monkeypatch, calibration_in):
     assert (tmp_path / "ToyCopy.png").exists()
 
 
+@pytest.mark.parametrize("n", range(1, 8))
+def test_round_orders_give_every_implementation_each_predecessor_and_place_equally_often(n):
+    orders = bench.round_orders(n)
+    assert all(sorted(order) == list(range(n)) for order in orders)
+    predecessors = collections.Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
+    assert set(predecessors) == {(a, b) for a in range(n) for b in range(n) if a != b} or n == 1
+    assert len(set(predecessors.values())) <= 1
+    places = collections.Counter((place, i) for order in orders for place, i in enumerate(order))
+    assert len(places) == n * n and len(set(places.values())) == 1
+
+
 def test_time_case_interleaves_rounds_and_rates_against_the_copy_alongside():
     calls = []
     case = bench.BenchCase("ToyCopy", torch.float32, "n", {"ours": lambda: calls.append("o"),
                                                           "peer": lambda: calls.append("p")}, bytes_moved=8_000_000)
     result = bench.time_case(case, repeat=3, min_s=0.0)
-    # one warm-up call each (and the copy's), then three rounds whose order rotates: ours, peer, copy /
+    # one warm-up call each (and the copy's), then three rounds in the orders of round_orders(3): ours, peer, copy /
     # peer, copy, ours / copy, ours, peer
     assert calls == ["o", "p"] + ["o", "p"] + ["p", "o"] + ["o", "p"]
     assert set(result.seconds) == {"ours", "peer"} and result.copy_gbps > 0
@@ -261,6 +273,30 @@ def test_time_case_interleaves_rounds_and_rates_against_the_copy_alongside():
     assert row["copy_gbps_alongside"] == result.copy_gbps
     assert row["fraction_of_copy_bw"] == pytest.approx(row["gbps"]["ours"] / result.copy_gbps)
     assert bench.time_case(gemm_case(), repeat=1).copy_gbps is None
+
+
+def test_time_case_keeps_each_rounds_ratio_and_the_report_shows_their_median_and_range(monkeypatch):
+    """Per-round ratios pair the calls of one round (a fake clock: ours takes 2 s in every call, the peer 3, 5, 4
+    in its timed calls after a warm-up)."""
+    clock = [0.0]
+    peer_times = iter([9.0, 3.0, 5.0, 4.0])
+
+    def advance(seconds):
+        clock[0] += seconds
+
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+    case = bench.BenchCase("Toy", torch.float32, "n", {"ours": lambda: advance(2.0),
+                                                       "peer": lambda: advance(next(peer_times))})
+    result = bench.time_case(case, repeat=3, min_s=0.0, budget_s=1e9)
+    assert result.seconds == {"ours": 2.0, "peer": 3.0}
+    assert result.round_ratios == {"peer": [1.5, 2.5, 2.0]}
+    row = result.to_json(ROOFLINES)
+    assert row["speedup_vs"]["peer"] == 1.5
+    assert row["speedup_per_round"]["peer"] == {"median": 2.0, "low": 1.5, "high": 2.5, "rounds": 3}
+    assert bench.peer_text(row, "peer", 1) == "peer 3000.0 (1.50x; per round 2.00x, 1.50-2.50x)"
+    assert "speedup_per_round" not in bench.BenchResult(case, {"ours": 1.0, "peer": 2.0}).to_json(ROOFLINES)
+    assert bench.peer_text(bench.BenchResult(case, {"ours": 1.0, "peer": 2.0}).to_json(ROOFLINES), "peer", 1) == \
+        "peer 2000.0 (2.00x)"
 
 
 def test_compute_bound_cases_are_rated_against_their_roofline_scaled_by_the_tiles_alongside():

@@ -34,6 +34,7 @@ import json
 import os
 import pkgutil
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -63,15 +64,18 @@ class BenchCase:
 
 @dataclass
 class BenchResult:
-    """Best times per implementation; ``copy_gbps``: a copy of the same bytes timed in the same rounds;
-    ``tiles_tflops``: the kernels' tile GEMM timed in the same rounds, the one whose rate at the start of the run
-    is the rooflines' ``tiles_roofline`` entry."""
+    """Best times per implementation; ``round_ratios``: per peer, its time over attngrad's in each round (one
+    machine state per round, so their median and range show the noise that a ratio of two bests hides);
+    ``copy_gbps``: a copy of the same bytes timed in the same rounds; ``tiles_tflops``: the kernels' tile GEMM
+    timed in the same rounds, the one whose rate at the start of the run is the rooflines' ``tiles_roofline``
+    entry."""
 
     case: BenchCase
     seconds: dict[str, float] = field(default_factory=dict)
     copy_gbps: float | None = None
     tiles_tflops: float | None = None
     tiles_roofline: str | None = None
+    round_ratios: dict[str, list[float]] = field(default_factory=dict)
 
     def to_json(self, rooflines: dict[str, float]) -> dict:
         c = self.case
@@ -79,6 +83,9 @@ class BenchResult:
         row = {"op": c.op, "dtype": str(c.dtype).replace("torch.", ""), "label": c.label, "notes": c.notes,
                "seconds": self.seconds,
                "speedup_vs": {k: v / self.seconds[ours] for k, v in self.seconds.items() if k != ours}}
+        if self.round_ratios:
+            row["speedup_per_round"] = {k: {"median": statistics.median(v), "low": min(v), "high": max(v),
+                                            "rounds": len(v)} for k, v in self.round_ratios.items()}
         if c.bytes_moved:
             # the copy timed alongside is the roofline when there is one: it saw the same machine load
             copy = self.copy_gbps or rooflines["copy_gbps"]
@@ -243,17 +250,27 @@ def add_arguments(parser) -> None:
                         help="stop an implementation's sweep once its next peak memory would exceed this")
 
 
+def peer_text(row: dict, peer: str, digits: int) -> str:
+    """``peer``'s best time in ms and its ratio to attngrad's (:meth:`BenchResult.to_json`'s ``row``), then the
+    median and range of the per-round ratios where they were recorded."""
+    text = f"{peer} {row['seconds'][peer] * 1e3:.{digits}f} ({row['speedup_vs'][peer]:.2f}x"
+    rounds = row.get("speedup_per_round", {}).get(peer)
+    if rounds:
+        text += f"; per round {rounds['median']:.2f}x, {rounds['low']:.2f}-{rounds['high']:.2f}x"
+    return text + ")"
+
+
 def _render(results: list[BenchResult], rooflines: dict[str, float], console) -> None:
     from rich.table import Table
 
-    table = Table(title="attngrad bench (times: best of N, ms; ratio = peer time / attngrad time)")
+    table = Table(title="attngrad bench (times: best of N, ms; ratio = peer time / attngrad time, of the bests, "
+                        "then the median and range of the rounds' ratios)")
     for col in ("operator", "dtype", "case", "attngrad ms", "peers: ms (ratio)", "attngrad rate"):
         table.add_column(col)
     for r in results:
         row = r.to_json(rooflines)
         ours = next(iter(r.case.impls))
-        peers = "; ".join(f"{k} {v * 1e3:.2f} ({row['speedup_vs'][k]:.2f}x)"
-                          for k, v in r.seconds.items() if k != ours)
+        peers = "; ".join(peer_text(row, k, 2) for k in r.seconds if k != ours)
         if "gbps" in row:
             rate = f"{row['gbps'][ours]:.1f} GB/s ({100 * row['fraction_of_copy_bw']:.0f}% of copy)"
             if row["copy_gbps_alongside"]:
@@ -313,14 +330,16 @@ def markdown_summary(report: dict) -> str:
              "against a copy of the same bytes timed in the same rounds; compute-bound ones against their roofline "
              "scaled by the kernels' tile GEMM timed in the same rounds over its rate when the rooflines were "
              "measured (the machine's drift during the run).", "",
+             "Peers: best time in ms (its ratio to attngrad's best; per round: the median and range of the ratios "
+             "of the calls of one round).", "",
              "| operator | dtype | case | attngrad ms | % of roofline | peers: ms (speed-up of attngrad) |",
              "|---|---|---|---|---|---|"]
     for row in report["results"]:
         ours, *peers = row["seconds"]
         frac = row.get("fraction_of_copy_bw", row.get("fraction_of_gemm"))
-        peer_text = "; ".join(f"{k} {row['seconds'][k] * 1e3:.1f} ({row['speedup_vs'][k]:.2f}x)" for k in peers)
         lines.append(f"| {row['op']} | {row['dtype']} | {row['label']} | {row['seconds'][ours] * 1e3:.1f} | "
-                     f"{'-' if frac is None else f'{100 * frac:.0f}%'} | {peer_text} |")
+                     f"{'-' if frac is None else f'{100 * frac:.0f}%'} | "
+                     f"{'; '.join(peer_text(row, k, 1) for k in peers)} |")
     if "first_call" in report:
         lines += ["", "| operator (first call, fresh process) | import s | cold numba cache s | cached s |",
                   "|---|---|---|---|"]
@@ -461,6 +480,18 @@ def alongside_tiles(case: BenchCase, rooflines: dict[str, float]) -> torch.dtype
     return torch.bfloat16 if bf16 >= fp32 else torch.float32
 
 
+def round_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` implementations for successive rounds, balanced for the call just before (a Williams
+    design): over these ``n`` rounds (``2 n`` when ``n`` is odd) every implementation directly follows each other
+    one equally often, and holds each place in the round equally often."""
+    first, low, high = [0], 1, n - 1
+    for i in range(1, n):
+        first.append(low if i % 2 else high)
+        low, high = (low + 1, high) if i % 2 else (low, high - 1)
+    rows = [[(x + shift) % n for x in first] for shift in range(n)]
+    return rows + [row[::-1] for row in rows] if n % 2 and n > 1 else rows
+
+
 def time_case(case: BenchCase, repeat: int, budget_s: float = 60.0, min_s: float = 2.0,
               tiles: torch.dtype | None = None) -> BenchResult:
     """Best of at least ``repeat`` interleaved rounds (one call of each implementation per round, after one
@@ -470,8 +501,9 @@ def time_case(case: BenchCase, repeat: int, budget_s: float = 60.0, min_s: float
 
     Memory-bound cases are rated against DRAM bandwidth, so every timed call of theirs (the copy's too) starts
     with evicted caches (:func:`evict_caches`): cases of tens of MB otherwise run partly from the last-level
-    cache, more or less depending on the call before. The order also rotates from round to round, so that no
-    implementation always follows the same neighbour. Fast cases run more rounds, until ``min_s`` has passed
+    cache, more or less depending on the call before. The order changes from round to round
+    (:func:`round_orders`), so that no implementation always follows the same neighbour: a plain rotation put
+    one implementation after the tile GEMM in every round, and that place alone made it slower. Fast cases run more rounds, until ``min_s`` has passed
     (at most ``5 * repeat``): the best of 10 sub-millisecond calls on a shared machine still carries its noise.
     """
     from .kernels.gemm_paths import tile_work
@@ -482,26 +514,29 @@ def time_case(case: BenchCase, repeat: int, budget_s: float = 60.0, min_s: float
     if tiles is not None:
         fns["__tiles__"], tile_flops = tile_work(tiles, torch.get_num_threads(), TILES_SECONDS)
     names = list(fns)
-    best = {name: float("inf") for name in fns}
+    times = {name: [] for name in fns}
     for fn in fns.values():
         fn()
     start = time.perf_counter()
+    orders = round_orders(len(names))
     for round_ in range(5 * repeat):
         elapsed = time.perf_counter() - start
         if round_ >= repeat and elapsed > min_s or elapsed > budget_s:
             break
-        for k in range(len(names)):
-            name = names[(round_ + k) % len(names)]
+        for name in (names[i] for i in orders[round_ % len(orders)]):
             if case.bytes_moved:
                 evict_caches()
             t0 = time.perf_counter()
             fns[name]()
-            best[name] = min(best[name], time.perf_counter() - t0)
+            times[name].append(time.perf_counter() - t0)
+    best = {name: min(t) for name, t in times.items()}
     copy = best.pop("__copy__", None)
     tiles_time = best.pop("__tiles__", None)
+    ours, *peers = case.impls
+    ratios = {peer: [p / o for p, o in zip(times[peer], times[ours])] for peer in peers}
     return BenchResult(case, best, case.bytes_moved / copy / 1e9 if copy else None,
                        tile_flops / tiles_time / 1e12 if tiles_time else None,
-                       _TILES_ROOFLINE[tiles] if tiles is not None else None)
+                       _TILES_ROOFLINE[tiles] if tiles is not None else None, ratios)
 
 
 def _time_cases(cases: list[BenchCase], repeat: int, rooflines: dict[str, float], progress) -> list[BenchResult]:
