@@ -503,8 +503,9 @@ def time_case(case: BenchCase, repeat: int, budget_s: float = 60.0, min_s: float
     with evicted caches (:func:`evict_caches`): cases of tens of MB otherwise run partly from the last-level
     cache, more or less depending on the call before. The order changes from round to round
     (:func:`round_orders`), so that no implementation always follows the same neighbour: a plain rotation put
-    one implementation after the tile GEMM in every round, and that place alone made it slower. Fast cases run more rounds, until ``min_s`` has passed
-    (at most ``5 * repeat``): the best of 10 sub-millisecond calls on a shared machine still carries its noise.
+    one implementation after the tile GEMM in every round, and that place alone made it slower. Fast cases run
+    more rounds, until ``min_s`` has passed (at most ``5 * repeat``): the best of 10 sub-millisecond calls on a
+    shared machine still carries its noise.
     """
     from .kernels.gemm_paths import tile_work
 
