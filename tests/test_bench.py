@@ -164,12 +164,14 @@ def test_rope_and_sink_cases_compute_what_they_compare():
 
 def test_render_and_plots(tmp_path):
     results = [bench.BenchResult(memory_case(dt), {"ours": 0.001, "peer": 0.002}) for dt in
-               (torch.float32, torch.bfloat16)] + [bench.BenchResult(gemm_case(), {"ours": 0.002, "peer": 0.001})]
+               (torch.float32, torch.bfloat16)] + [bench.BenchResult(gemm_case(), {"ours": 0.002, "peer": 0.001},
+                                                                     round_seconds={"ours": [0.002, 0.003],
+                                                                                    "peer": [0.001, 0.0015]})]
     console = bench._console()
     with console.capture() as cap:
         bench._render(results, ROOFLINES, console)
     text = cap.get()
-    assert "ToyCopy" in text and "2.00x" in text and "20% of copy" in text
+    assert "ToyCopy" in text and "2.00x" in text and "20% of copy" in text and "per round 0.50x, 0.50-0.50x" in text
     paths = bench._plot(results, ROOFLINES, tmp_path)
     assert {p.name for p in paths} == {"ToyCopy.png", "ToyGemm.png"}
     assert all(p.stat().st_size > 1000 for p in paths)
@@ -289,8 +291,10 @@ def test_time_case_keeps_each_rounds_ratio_and_the_report_shows_their_median_and
                                                        "peer": lambda: advance(next(peer_times))})
     result = bench.time_case(case, repeat=3, min_s=0.0, budget_s=1e9)
     assert result.seconds == {"ours": 2.0, "peer": 3.0}
-    assert result.round_ratios == {"peer": [1.5, 2.5, 2.0]}
+    assert result.round_seconds == {"ours": [2.0, 2.0, 2.0], "peer": [3.0, 5.0, 4.0]}
+    assert result.round_ratios() == {"peer": [1.5, 2.5, 2.0]}
     row = result.to_json(ROOFLINES)
+    assert row["seconds_per_round"] == result.round_seconds
     assert row["speedup_vs"]["peer"] == 1.5
     assert row["speedup_per_round"]["peer"] == {"median": 2.0, "low": 1.5, "high": 2.5, "rounds": 3}
     assert bench.peer_text(row, "peer", 1) == "peer 3000.0 (1.50x; per round 2.00x, 1.50-2.50x)"

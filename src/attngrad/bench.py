@@ -64,18 +64,25 @@ class BenchCase:
 
 @dataclass
 class BenchResult:
-    """Best times per implementation; ``round_ratios``: per peer, its time over attngrad's in each round (one
-    machine state per round, so their median and range show the noise that a ratio of two bests hides);
-    ``copy_gbps``: a copy of the same bytes timed in the same rounds; ``tiles_tflops``: the kernels' tile GEMM
-    timed in the same rounds, the one whose rate at the start of the run is the rooflines' ``tiles_roofline``
-    entry."""
+    """Best times per implementation; ``round_seconds``: each implementation's time in each round, where the
+    rounds were recorded (a round's calls ran moments apart, so the per-round ratios of a peer to attngrad,
+    their median and range, show the noise that a ratio of two bests hides); ``copy_gbps``: a copy of the same
+    bytes timed in the same rounds; ``tiles_tflops``: the kernels' tile GEMM timed in the same rounds, the one
+    whose rate at the start of the run is the rooflines' ``tiles_roofline`` entry."""
 
     case: BenchCase
     seconds: dict[str, float] = field(default_factory=dict)
     copy_gbps: float | None = None
     tiles_tflops: float | None = None
     tiles_roofline: str | None = None
-    round_ratios: dict[str, list[float]] = field(default_factory=dict)
+    round_seconds: dict[str, list[float]] = field(default_factory=dict)
+
+    def round_ratios(self) -> dict[str, list[float]]:
+        """Per peer, its time over attngrad's in each round (empty without recorded rounds)."""
+        if not self.round_seconds:
+            return {}
+        ours, *peers = self.case.impls
+        return {peer: [p / o for p, o in zip(self.round_seconds[peer], self.round_seconds[ours])] for peer in peers}
 
     def to_json(self, rooflines: dict[str, float]) -> dict:
         c = self.case
@@ -83,9 +90,10 @@ class BenchResult:
         row = {"op": c.op, "dtype": str(c.dtype).replace("torch.", ""), "label": c.label, "notes": c.notes,
                "seconds": self.seconds,
                "speedup_vs": {k: v / self.seconds[ours] for k, v in self.seconds.items() if k != ours}}
-        if self.round_ratios:
+        if self.round_seconds:
+            row["seconds_per_round"] = self.round_seconds
             row["speedup_per_round"] = {k: {"median": statistics.median(v), "low": min(v), "high": max(v),
-                                            "rounds": len(v)} for k, v in self.round_ratios.items()}
+                                            "rounds": len(v)} for k, v in self.round_ratios().items()}
         if c.bytes_moved:
             # the copy timed alongside is the roofline when there is one: it saw the same machine load
             copy = self.copy_gbps or rooflines["copy_gbps"]
@@ -305,11 +313,16 @@ def _plot(results: list[BenchResult], rooflines: dict[str, float], out: Path) ->
         fractions = [r.to_json(rooflines).get("fraction_of_roofline", {}) for r in rows]
         for i, name in enumerate(impls):
             ys = [j + i * height for j in range(len(rows))]
-            ax_t.barh(ys, [r.seconds.get(name, 0) * 1e3 for r in rows], height, label=name)
+            best = [r.seconds.get(name, 0) * 1e3 for r in rows]
+            median = [statistics.median(r.round_seconds[name]) * 1e3 if name in r.round_seconds else b
+                      for r, b in zip(rows, best)]
+            ax_t.barh(ys, best, height, label=name,
+                      xerr=([0] * len(rows), [m - b for m, b in zip(median, best)]), capsize=2,
+                      error_kw={"elinewidth": 0.8})
             ax_f.barh(ys, [f.get(name, 0) for f in fractions], height)
         ax_t.set_yticks([j + 0.4 - height / 2 for j in range(len(rows))], labels, fontsize=7)
         ax_t.invert_yaxis()
-        ax_t.set_xlabel("time (ms, best of N; lower is better)")
+        ax_t.set_xlabel("time (ms, best of N, whisker to the median round; lower is better)")
         ax_f.axvline(1.0, color="black", linewidth=0.8)
         rooflines_used = ", ".join(dict.fromkeys(f"{str(r.case.dtype)[6:]}: {r.case.roofline}" for r in rows))
         ax_f.set_xlabel(f"fraction of the case's roofline\n({rooflines_used}; 1 = roofline)", fontsize=8)
@@ -533,11 +546,10 @@ def time_case(case: BenchCase, repeat: int, budget_s: float = 60.0, min_s: float
     best = {name: min(t) for name, t in times.items()}
     copy = best.pop("__copy__", None)
     tiles_time = best.pop("__tiles__", None)
-    ours, *peers = case.impls
-    ratios = {peer: [p / o for p, o in zip(times[peer], times[ours])] for peer in peers}
     return BenchResult(case, best, case.bytes_moved / copy / 1e9 if copy else None,
                        tile_flops / tiles_time / 1e12 if tiles_time else None,
-                       _TILES_ROOFLINE[tiles] if tiles is not None else None, ratios)
+                       _TILES_ROOFLINE[tiles] if tiles is not None else None,
+                       {name: times[name] for name in case.impls})
 
 
 def _time_cases(cases: list[BenchCase], repeat: int, rooflines: dict[str, float], progress) -> list[BenchResult]:
