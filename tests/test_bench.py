@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import importlib
 import json
 import math
@@ -255,6 +256,8 @@ def test_cli_runs_a_selected_quick_bench(tmp_path, monkeypatch, calibration_in):
 def test_round_orders_give_every_implementation_each_predecessor_and_place_equally_often(n):
     orders = bench.round_orders(n)
     assert all(sorted(order) == list(range(n)) for order in orders)
+    calls = [i for order in orders * 2 for i in order]
+    assert n < 3 or all(a != b for a, b in zip(calls, calls[1:]))  # no call right after itself, cycles included
     predecessors = collections.Counter((a, b) for order in orders for a, b in zip(order, order[1:]))
     assert set(predecessors) == {(a, b) for a in range(n) for b in range(n) if a != b} or n == 1
     assert len(set(predecessors.values())) <= 1
@@ -267,37 +270,47 @@ def test_time_case_interleaves_rounds_and_rates_against_the_copy_alongside():
     case = bench.BenchCase("ToyCopy", torch.float32, "n", {"ours": lambda: calls.append("o"),
                                                           "peer": lambda: calls.append("p")}, bytes_moved=8_000_000)
     result = bench.time_case(case, repeat=3, min_s=0.0)
-    # one warm-up call each (and the copy's), then three rounds in the orders of round_orders(3): ours, peer, copy /
-    # peer, copy, ours / copy, ours, peer
-    assert calls == ["o", "p"] + ["o", "p"] + ["p", "o"] + ["o", "p"]
+    # one warm-up call each (and the copy's), then the six rounds of round_orders(3) (ours 0, peer 1, copy 2): at
+    # least three, and then the end of the cycle
+    assert calls == ["o", "p"] + [{0: "o", 1: "p"}[i] for order in bench.round_orders(3) for i in order if i < 2]
     assert set(result.seconds) == {"ours", "peer"} and result.copy_gbps > 0
+    assert set(result.round_seconds) == {"ours", "peer"}
     row = result.to_json(ROOFLINES)
     assert row["copy_gbps_alongside"] == result.copy_gbps
     assert row["fraction_of_copy_bw"] == pytest.approx(row["gbps"]["ours"] / result.copy_gbps)
     assert bench.time_case(gemm_case(), repeat=1).copy_gbps is None
 
 
-def test_time_case_keeps_each_rounds_ratio_and_the_report_shows_their_median_and_range(monkeypatch):
-    """Per-round ratios pair the calls of one round (a fake clock: ours takes 2 s in every call, the peer 3, 5, 4
-    in its timed calls after a warm-up)."""
-    clock = [0.0]
-    peer_times = iter([9.0, 3.0, 5.0, 4.0])
+def test_time_case_runs_whole_cycles_of_balanced_orders():
+    """Four implementations, at least four rounds: the calls follow round_orders(4) row by row (a plain rotation
+    of the four would not)."""
+    calls = []
+    case = bench.BenchCase("Toy", torch.float32, "n", {name: functools.partial(calls.append, i)
+                                                       for i, name in enumerate("abcd")})
+    bench.time_case(case, repeat=3, min_s=0.0)
+    assert calls == [0, 1, 2, 3] + [i for order in bench.round_orders(4) for i in order]
 
-    def advance(seconds):
-        clock[0] += seconds
+
+def test_time_case_keeps_each_rounds_ratio_and_the_report_shows_their_median_and_range(monkeypatch):
+    """Per-round ratios pair the calls of one round (a fake clock; the times of both change from round to round,
+    so ratios of calls from different rounds would differ). Three rounds asked, four run: two orders a cycle."""
+    clock = [0.0]
+    times = {"ours": iter([1.0, 2.0, 4.0, 2.0, 3.0]), "peer": iter([9.0, 3.0, 5.0, 4.0, 6.0])}
+
+    def call(name):
+        clock[0] += next(times[name])
 
     monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
-    case = bench.BenchCase("Toy", torch.float32, "n", {"ours": lambda: advance(2.0),
-                                                       "peer": lambda: advance(next(peer_times))})
+    case = bench.BenchCase("Toy", torch.float32, "n", {"ours": lambda: call("ours"), "peer": lambda: call("peer")})
     result = bench.time_case(case, repeat=3, min_s=0.0, budget_s=1e9)
     assert result.seconds == {"ours": 2.0, "peer": 3.0}
-    assert result.round_seconds == {"ours": [2.0, 2.0, 2.0], "peer": [3.0, 5.0, 4.0]}
-    assert result.round_ratios() == {"peer": [1.5, 2.5, 2.0]}
+    assert result.round_seconds == {"ours": [2.0, 4.0, 2.0, 3.0], "peer": [3.0, 5.0, 4.0, 6.0]}
+    assert result.round_ratios() == {"peer": [1.5, 1.25, 2.0, 2.0]}
     row = result.to_json(ROOFLINES)
     assert row["seconds_per_round"] == result.round_seconds
     assert row["speedup_vs"]["peer"] == 1.5
-    assert row["speedup_per_round"]["peer"] == {"median": 2.0, "low": 1.5, "high": 2.5, "rounds": 3}
-    assert bench.peer_text(row, "peer", 1) == "peer 3000.0 (1.50x; per round 2.00x, 1.50-2.50x)"
+    assert row["speedup_per_round"]["peer"] == {"median": 1.75, "low": 1.25, "high": 2.0, "rounds": 4}
+    assert bench.peer_text(row, "peer", 1) == "peer 3000.0 (1.50x; per round 1.75x, 1.25-2.00x)"
     assert "speedup_per_round" not in bench.BenchResult(case, {"ours": 1.0, "peer": 2.0}).to_json(ROOFLINES)
     assert bench.peer_text(bench.BenchResult(case, {"ours": 1.0, "peer": 2.0}).to_json(ROOFLINES), "peer", 1) == \
         "peer 2000.0 (2.00x)"

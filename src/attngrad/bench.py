@@ -495,14 +495,16 @@ def alongside_tiles(case: BenchCase, rooflines: dict[str, float]) -> torch.dtype
 
 def round_orders(n: int) -> list[list[int]]:
     """Orders of ``n`` implementations for successive rounds, balanced for the call just before (a Williams
-    design): over these ``n`` rounds (``2 n`` when ``n`` is odd) every implementation directly follows each other
-    one equally often, and holds each place in the round equally often."""
+    design): over these ``n`` rounds (``2 n`` for an odd ``n`` > 1) every implementation directly follows each
+    other one equally often, and holds each place in the round equally often. The mirrored rows of an odd ``n``
+    go in the order that starts none of them, nor the cycle after, with the call that ended the round before
+    (``n`` >= 3)."""
     first, low, high = [0], 1, n - 1
     for i in range(1, n):
         first.append(low if i % 2 else high)
         low, high = (low + 1, high) if i % 2 else (low, high - 1)
     rows = [[(x + shift) % n for x in first] for shift in range(n)]
-    return rows + [row[::-1] for row in rows] if n % 2 and n > 1 else rows
+    return rows + [rows[-shift % n][::-1] for shift in range(n)] if n % 2 and n > 1 else rows
 
 
 def time_case(case: BenchCase, repeat: int, budget_s: float = 60.0, min_s: float = 2.0,
@@ -516,9 +518,10 @@ def time_case(case: BenchCase, repeat: int, budget_s: float = 60.0, min_s: float
     with evicted caches (:func:`evict_caches`): cases of tens of MB otherwise run partly from the last-level
     cache, more or less depending on the call before. The order changes from round to round
     (:func:`round_orders`), so that no implementation always follows the same neighbour: a plain rotation put
-    one implementation after the tile GEMM in every round, and that place alone made it slower. Fast cases run
-    more rounds, until ``min_s`` has passed (at most ``5 * repeat``): the best of 10 sub-millisecond calls on a
-    shared machine still carries its noise.
+    one implementation right after the tile GEMM whenever it was not first in the round, and that place alone
+    made it slower. Fast cases run more rounds, until ``min_s`` has passed: the best of 10 sub-millisecond calls
+    on a shared machine still carries its noise. The rounds end with a whole cycle of orders (at most
+    ``5 * repeat`` rounds, and none started after ``budget_s``).
     """
     from .kernels.gemm_paths import tile_work
 
@@ -535,7 +538,7 @@ def time_case(case: BenchCase, repeat: int, budget_s: float = 60.0, min_s: float
     orders = round_orders(len(names))
     for round_ in range(5 * repeat):
         elapsed = time.perf_counter() - start
-        if round_ >= repeat and elapsed > min_s or elapsed > budget_s:
+        if round_ >= repeat and elapsed > min_s and round_ % len(orders) == 0 or elapsed > budget_s:
             break
         for name in (names[i] for i in orders[round_ % len(orders)]):
             if case.bytes_moved:
