@@ -15,7 +15,7 @@ import torch
 
 import attngrad
 from attngrad import AclnnError
-from attngrad.kernels.flash_attention import _INSIDE, _OUTSIDE, _tile_kind
+from attngrad.kernels.flash_attention import _INSIDE, _OUTSIDE, _tile_kind, _visible_tile
 from attngrad.kernels.flash_attention_plan import (FLT_MAX, MASKED_LOGIT, UNBOUNDED_TOKENS, AttentionPlan,
                                                    sparse_rule, varlen_sparse_bands, visible_pairs)
 from attngrad.kernels.flash_attention_reference import (flash_attention_backward_reference,
@@ -189,6 +189,31 @@ def test_tile_kind_matches_brute_force():
             assert visible.all()
         if not visible.any() and pfx <= j0 and pre + nxt >= 0:
             assert kind == _OUTSIDE  # an invisible tile of a non-empty band is always skipped
+
+
+def test_visible_tile_drops_only_leading_columns_no_row_sees():
+    """The tile cut at a band's left edge: the dropped leading columns (an even count) hold no visible key of any
+    row, and where the first row sees a key of the tile, the columns before it go (but the one that keeps the count
+    even)."""
+    g = np.random.default_rng(1)
+    cut = 0
+    for _ in range(400):
+        i0, j0 = (int(x) for x in g.integers(0, 600, 2))
+        rows, cols = (int(x) for x in g.integers(1, 300, 2))
+        pre, nxt = (int(x) for x in g.integers(-300, 300, 2))
+        pfx = int(g.integers(0, 700)) if g.random() < 0.5 else 0
+        i = np.arange(i0, i0 + rows)[:, None]
+        j = np.arange(j0, j0 + cols)[None, :]
+        visible = ((j >= i - pre) & (j <= i + nxt)) | (j < pfx)
+        tile, kind, lead = _visible_tile(0, 0, i0, rows, j0, cols, pre, nxt, pfx)
+        assert lead % 2 == 0 and 0 <= lead <= cols and tuple(tile) == (0, 0, i0, rows, j0 + lead, cols - lead)
+        assert not visible[:, :lead].any()
+        assert kind == _tile_kind(i0, rows, j0 + lead, cols - lead, pre, nxt, pfx)
+        first_seen = np.flatnonzero(visible[0])  # the first row's keys start the band in the tile
+        if pfx <= j0 and first_seen.size:
+            assert lead >= first_seen[0] - 1  # at most the one column that keeps the count even
+        cut += lead > 0
+    assert cut > 50
 
 
 @pytest.mark.parametrize("mode", range(7))

@@ -48,10 +48,11 @@ Tiles and work split (both cores busy even for one head, results identical for a
   :func:`_backward_tasks`), one at a time to the next free thread (:func:`.threads.claim`); a task's results
   do not depend on which thread runs it or when.
 
-* forward: one task per (b, n1, query block); each task owns its rows, no reduction. A tile is cut to its
-  leading columns that hold visible keys (:func:`_visible_cols`, e.g. the causal diagonal), and one across the
-  visible region's edge runs as tiles of ``_EDGE_ROWS`` query rows, each cut on its own (rows of the task's
-  scratch, :func:`_forward_visible_tile`). bfloat16 and
+* forward: one task per (b, n1, query block); each task owns its rows, no reduction. A tile is cut to the
+  columns that hold visible keys: none past its last row's reach (:func:`_visible_cols`, e.g. the causal
+  diagonal), none before its first row's (:func:`_visible_tile`: a band's left edge; the packed operands are then
+  read from that column on), and one across the visible region's edge runs as tiles of ``_EDGE_ROWS`` query
+  rows, each cut on its own (rows of the task's scratch, :func:`_forward_visible_tile`). bfloat16 and
   float32 run its two GEMMs on torch's brgemm (:func:`.gemm.brgemm`) with K (and bfloat16 V) packed once per call
   (:func:`_pack_kv_kernel`); plain tiles fuse the scale into the exp sweep (max, exp, rounding of P and the
   row sum in two sweeps of the row).
@@ -61,9 +62,9 @@ Tiles and work split (both cores busy even for one head, results identical for a
   transposed, ``[D, BK]``) and adds its dQ contribution into its own fp32 slice ``dq_acc[chunk]``; the slices
   are summed in chunk order at the end. They are not zeroed: the first product into a group of ``_EDGE_ROWS``
   rows writes it and flags it written (:func:`_dq_adds`), and the sum skips the groups a chunk never wrote.
-  A tile is cut to its leading columns that hold visible keys, and one across the visible region's edge
-  (the causal diagonal) runs as tiles of ``_EDGE_ROWS`` query rows, each cut on its own
-  (:func:`_backward_visible_tile`).
+  A tile is cut to the columns that hold visible keys, as in the forward (the dK^T / dV^T accumulators are then
+  written from that column on), and one across the visible region's edge (the causal diagonal) runs as tiles of
+  ``_EDGE_ROWS`` query rows, each cut on its own (:func:`_backward_visible_tile`).
   bfloat16 and float32 run the five GEMMs on the brgemm too (:func:`_score_gemms`, :func:`_gradient_gemms`): the
   key block's K^T, V^T (and bfloat16 K) are packed once per block, bfloat16 Pd and dS once per tile, and dK^T /
   dV^T take Q^T / dY^T from transposed copies made once per call; bfloat16 tiles with an odd row or column count
@@ -381,6 +382,19 @@ def _visible_cols(i0, rows, j0, cols, nxt, pfx):
     ``i0 + rows - 1 + nxt`` and the prefix are excluded for all its rows), rounded up to even (AMX pairs)."""
     last = max(i0 + rows + nxt, pfx) - j0
     return max(min(cols, last + last % 2), 0)
+
+
+@njit(inline="always")
+def _visible_tile(b, n, i0, rows, j0, cols, pre, nxt, pfx):
+    """``(tile, kind, lead)``: the tile [i0, i0+rows) x [j0, j0+cols) of (b, n) without its ``lead`` leading
+    columns that no row sees (keys before ``i0 - pre`` and past the prefix ``pfx``: a band's left edge), an even
+    count (bfloat16 operands go in VNNI pairs of keys), and its :func:`_tile_kind`."""
+    lead = 0
+    if pfx <= j0:
+        lead = max(min(i0 - pre - j0, cols), 0)
+        lead -= lead % 2
+    kind = _tile_kind(i0, rows, j0 + lead, cols - lead, pre, nxt, pfx)
+    return Tile(b, n, i0, rows, j0 + lead, cols - lead), kind, lead
 
 
 @njit(inline="always")
@@ -799,7 +813,11 @@ def _forward_block(ops, plan, b, n, i0, rows, allow_skip, work):
             skipped = True
             continue
         if kind != _PARTIAL or not allow_skip or rows <= _EDGE_ROWS:
-            _forward_visible_tile(ops, plan, work, Tile(b, n, i0, rows, j0, cols), n2, block, kind, first)
+            tile = Tile(b, n, i0, rows, j0, cols)
+            if kind == _PARTIAL and allow_skip:
+                tile, kind, lead = _visible_tile(b, n, i0, rows, j0, cols, plan.pre, plan.nxt, plan.prefix[b])
+                skipped |= lead > 0
+            _forward_visible_tile(ops, plan, work, tile, n2, block, kind, first)
             first = False
             continue
         if first:  # the edge tiles may leave rows of acc unwritten
@@ -808,15 +826,15 @@ def _forward_block(ops, plan, b, n, i0, rows, allow_skip, work):
         for g0 in range(0, rows, _EDGE_ROWS):
             part = min(_EDGE_ROWS, rows - g0)
             part_cols = _visible_cols(i0 + g0, part, j0, block, plan.nxt, plan.prefix[b])
-            part_kind = _tile_kind(i0 + g0, part, j0, part_cols, plan.pre, plan.nxt, plan.prefix[b])
-            skipped |= part_cols < block
-            if part_cols == 0 or part_kind == _OUTSIDE:
+            part_tile, part_kind, lead = _visible_tile(b, n, i0 + g0, part, j0, part_cols, plan.pre, plan.nxt,
+                                                       plan.prefix[b])
+            skipped |= part_cols < block or lead > 0
+            if part_tile.cols == 0 or part_kind == _OUTSIDE:
                 skipped = True
                 continue
             part_work = ForwardScratch(work.s[g0:], work.p[g0:], acc[g0:], work.m[g0:], work.l[g0:],
                                        _rows_from(work.qq, g0))
-            _forward_visible_tile(ops, plan, part_work, Tile(b, n, i0 + g0, part, j0, part_cols), n2, block,
-                                  part_kind, False)
+            _forward_visible_tile(ops, plan, part_work, part_tile, n2, block, part_kind, False)
     return skipped
 
 
@@ -832,7 +850,8 @@ def _forward_visible_tile(ops, plan, work, tile, n2, block, kind, first):
     s, p, acc = work.s, work.p, work.acc
     BK = _FWD_BK
     on_brgemm = ops.packed and (block % 2 == 0 or not _pairs(q))
-    kt = (row_address(ops.kt, b, n2, j0 // BK), block)
+    lead = j0 % BK  # the key block's columns before the tile's first (:func:`_visible_tile`)
+    kt = (row_address(ops.kt, b, n2, j0 // BK) + lead * ops.kt.itemsize, block)
     with_rope = on_brgemm and _packed_rope(ops)
     if with_rope:  # one product [Q | Q_rope] [K | K_rope]^T: K_rope^T is packed after K^T
         brgemm(q, rows, cols, work.qq.shape[3], _matrix(work.qq, 0, 0, 0), kt, _scratch(s), False)
@@ -847,7 +866,7 @@ def _forward_visible_tile(ops, plan, work, tile, n2, block, kind, first):
     Dv = v.shape[3]
     mode = flush_denormals()  # P V with subnormals flushed: see the module docstring
     if on_brgemm:
-        vp = _rows_operand(v, b, n2, j0, row_address(ops.vt, b, n2, j0 // BK))
+        vp = _rows_operand(v, b, n2, j0, row_address(ops.vt, b, n2, j0 // BK) + lead * v.shape[3] * v.itemsize)
         brgemm(q, rows, Dv, cols, _scratch(p), vp, _scratch(acc), not first)
     else:
         gemm(q, NO_TRANS, NO_TRANS, rows, Dv, cols, _scratch(p), _matrix(v, b, n2, j0), _scratch(acc), not first)
@@ -1188,9 +1207,10 @@ def _pack_key_block(keys, v, b, n2, j0, cols, work):
 
 
 @njit(inline="always")
-def _score_gemms(ops, tile, n2, queries, keys, on_brgemm, work):
+def _score_gemms(ops, tile, n2, queries, keys, lead, on_brgemm, work):
     """work.s = Q K^T and work.dp = dY V^T of the tile (fp32, row stride BK); Q and K as :func:`_query_rows` and
-    :func:`_key_rows` give them (with rope ``[Q | Q_rope] [K | K_rope]^T``)."""
+    :func:`_key_rows` give them (with rope ``[Q | Q_rope] [K | K_rope]^T``); the tile starts ``lead`` columns into
+    the key block (:func:`_visible_tile`)."""
     q, v, dy = ops.q, ops.v, ops.dy
     b, n, i0, rows, j0, cols = tile
     x, qb, qn, qi = queries
@@ -1198,13 +1218,15 @@ def _score_gemms(ops, tile, n2, queries, keys, on_brgemm, work):
     dqk = x.shape[3]
     qp, dyp = _matrix(x, qb, qn, qi), _matrix(dy, b, n, i0)
     if on_brgemm:
-        block = min(work.s.shape[1], v.shape[2] - j0)  # the packed K^T / V^T row stride: the key block's width
-        brgemm(q, rows, cols, dqk, qp, (work.kt.ctypes.data, block), _scratch(work.s), False)
+        block = min(work.s.shape[1], v.shape[2] - j0 + lead)  # the packed K^T / V^T row stride: the block's width
+        kt = (work.kt.ctypes.data + lead * work.kt.itemsize, block)
+        brgemm(q, rows, cols, dqk, qp, kt, _scratch(work.s), False)
         if ops.rope:
-            _add_packed_rope_scores(ops, tile, (work.kt.ctypes.data, block), work.s)
-        brgemm(q, rows, cols, v.shape[3], dyp, (work.vt.ctypes.data, block), _scratch(work.dp), False)
+            _add_packed_rope_scores(ops, tile, kt, work.s)
+        brgemm(q, rows, cols, v.shape[3], dyp, (work.vt.ctypes.data + lead * work.vt.itemsize, block),
+               _scratch(work.dp), False)
     else:
-        gemm(q, NO_TRANS, TRANS, rows, cols, dqk, qp, _matrix(y, kb, kn, kj), _scratch(work.s), False)
+        gemm(q, NO_TRANS, TRANS, rows, cols, dqk, qp, _matrix(y, kb, kn, kj + lead), _scratch(work.s), False)
         gemm(q, NO_TRANS, TRANS, rows, cols, v.shape[3], dyp, _matrix(v, b, n2, j0), _scratch(work.dp), False)
 
 
@@ -1215,17 +1237,20 @@ def _per_packed(q, packed):
 
 
 @njit(inline="always")
-def _gradient_gemms(ops, tile, queries, keys, on_brgemm, work, dq_ptr, dq_adds, like):
-    """dV^T += dY^T Pd, dK^T += Q^T dS (fp32 ``[D, BK]`` accumulators work.dvt / work.dkt) and dQ (+)= dS K (fp32 at
-    dq_ptr, row stride D; ``dq_adds`` False: written), Q and K as in :func:`_score_gemms` (with rope dK^T and dQ
-    have D + Dr rows / columns); dS from :func:`_ds_tile` (``like``: the plan's ``probs_like``).
+def _gradient_gemms(ops, tile, queries, keys, lead, on_brgemm, work, dq_ptr, dq_adds, like):
+    """dV^T += dY^T Pd, dK^T += Q^T dS (fp32 ``[D, BK]`` accumulators work.dvt / work.dkt, from their column
+    ``lead``) and dQ (+)= dS K (fp32 at dq_ptr, row stride D; ``dq_adds`` False: written), Q, K and ``lead`` as in
+    :func:`_score_gemms` (with rope dK^T and dQ have D + Dr rows / columns); dS from :func:`_ds_tile` (``like``:
+    the plan's ``probs_like``).
 
     On the brgemm the A operands dY^T and ``[Q | Q_rope]^T`` come from the transposed copies ``ops.dyt``, ``ops.qt``
     (one dK^T product of depth D + Dr); bfloat16 Pd, dS are packed (:func:`_tile_operand`) and K comes packed by
     :func:`_pack_key_block`."""
     q, dy = ops.q, ops.dy
     b, n, i0, rows, _, cols = tile
-    pt, dst, dkt, dvt = work.pt, _ds_tile(work, like), work.dkt, work.dvt
+    pt, dst = work.pt, _ds_tile(work, like)
+    dkt = (work.dkt.ctypes.data + lead * 4, work.dkt.shape[1])
+    dvt = (work.dvt.ctypes.data + lead * 4, work.dvt.shape[1])
     x, qb, qn, qi = queries
     y, kb, kn, kj = keys
     Dv, dqk = dy.shape[3], y.shape[3]
@@ -1233,14 +1258,14 @@ def _gradient_gemms(ops, tile, queries, keys, on_brgemm, work, dq_ptr, dq_adds, 
     if on_brgemm:
         pd_operand = _tile_operand(pt, rows, cols, work.pt_pairs)
         ds_operand = _tile_operand(dst, rows, cols, work.dst_pairs)
-        brgemm(q, Dv, cols, rows, _columns(ops.dyt, b, n, i0), pd_operand, _scratch(dvt), True)
-        brgemm(q, dqk, cols, rows, _columns(ops.qt, b, n, i0), ds_operand, _scratch(dkt), True)
-        brgemm(q, rows, dqk, cols, _scratch(dst), _rows_operand(y, kb, kn, kj, work.k_pairs.ctypes.data), dq,
-               dq_adds)
+        brgemm(q, Dv, cols, rows, _columns(ops.dyt, b, n, i0), pd_operand, dvt, True)
+        brgemm(q, dqk, cols, rows, _columns(ops.qt, b, n, i0), ds_operand, dkt, True)
+        k_rows = _rows_operand(y, kb, kn, kj + lead, work.k_pairs.ctypes.data + lead * dqk * y.itemsize)
+        brgemm(q, rows, dqk, cols, _scratch(dst), k_rows, dq, dq_adds)
     else:
-        gemm(q, TRANS, NO_TRANS, Dv, cols, rows, _matrix(dy, b, n, i0), _scratch(pt), _scratch(dvt), True)
-        gemm(q, TRANS, NO_TRANS, dqk, cols, rows, _matrix(x, qb, qn, qi), _scratch(dst), _scratch(dkt), True)
-        gemm(q, NO_TRANS, NO_TRANS, rows, dqk, cols, _scratch(dst), _matrix(y, kb, kn, kj), dq, dq_adds)
+        gemm(q, TRANS, NO_TRANS, Dv, cols, rows, _matrix(dy, b, n, i0), _scratch(pt), dvt, True)
+        gemm(q, TRANS, NO_TRANS, dqk, cols, rows, _matrix(x, qb, qn, qi), _scratch(dst), dkt, True)
+        gemm(q, NO_TRANS, NO_TRANS, rows, dqk, cols, _scratch(dst), _matrix(y, kb, kn, kj + lead), dq, dq_adds)
 
 
 @njit(fastmath=FASTMATH, cache=True, nogil=True)
@@ -1277,22 +1302,25 @@ def _backward_key_block(ops, plan, grads, work, b, n2, j0, chunk):
 
 @njit(inline="always")
 def _backward_visible_tile(ops, plan, grads, work, keys, packed, tile, n2, chunk):
-    """The five GEMMs and the dS of a tile of :func:`_backward_key_block`, cut to its leading columns that hold
-    visible keys (:func:`_visible_cols`) and skipped when none is, unless a row of it is fully masked (its P is
-    then exp(0) / sum over all keys, :func:`_dead_row`)."""
+    """The five GEMMs and the dS of a tile of :func:`_backward_key_block`, cut to the columns that hold visible
+    keys (:func:`_visible_cols`, :func:`_visible_tile`) and skipped when none is, unless a row of it is fully masked
+    (its P is then exp(0) / sum over all keys, :func:`_dead_row`)."""
     b, n, i0, rows, j0, cols = tile
     dead = _dead_row(ops.smax[b, n, i0:], rows)
-    if not dead:
+    lead = 0
+    if dead:
+        kind = _tile_kind(i0, rows, j0, cols, plan.pre, plan.nxt, plan.prefix[b])
+    else:
         cols = _visible_cols(i0, rows, j0, cols, plan.nxt, plan.prefix[b])
         if cols == 0:
             return
-    kind = _tile_kind(i0, rows, j0, cols, plan.pre, plan.nxt, plan.prefix[b])
-    if kind == _OUTSIDE and not dead:
-        return  # P = exp(-FLT_MAX - max) = 0 on the whole tile
+        tile, kind, lead = _visible_tile(b, n, i0, rows, j0, cols, plan.pre, plan.nxt, plan.prefix[b])
+        if kind == _OUTSIDE or tile.cols == 0:
+            return  # P = exp(-FLT_MAX - max) = 0 on the whole tile
     on_brgemm = packed and (rows % 2 == 0 or not _pairs(ops.q))
-    tile = Tile(b, n, i0, rows, j0, cols)
+    tile = Tile(b, n, i0, rows, j0 + lead, cols - lead)
     queries = _query_rows(ops, work, tile, on_brgemm)
-    _score_gemms(ops, tile, n2, queries, keys, on_brgemm, work)
+    _score_gemms(ops, tile, n2, queries, keys, lead, on_brgemm, work)
     # subnormals flushed (:func:`.numeric.flush_denormals`) from the sweep on, or from its products on when the
     # sweep computes dpse, a user-visible output
     mode = flush_denormals() if not plan.dpse else np.uint32(0)
@@ -1300,7 +1328,7 @@ def _backward_visible_tile(ops, plan, grads, work, keys, packed, tile, n2, chunk
     if plan.dpse:
         mode = flush_denormals()
     dq_ptr = _accumulator_row(grads.dq_acc, chunk, b, n, i0).ctypes.data
-    _gradient_gemms(ops, tile, queries, keys, on_brgemm, work, dq_ptr, _dq_adds(grads, chunk, b, n, i0, rows),
+    _gradient_gemms(ops, tile, queries, keys, lead, on_brgemm, work, dq_ptr, _dq_adds(grads, chunk, b, n, i0, rows),
                     plan.probs_like)
     restore_float_mode(mode)
 
