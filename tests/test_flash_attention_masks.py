@@ -172,16 +172,22 @@ def test_invalid_rows_auto_enabled(mode, sq, skv, pre, nxt, prefix):
 
 
 # ----------------------------------------------------------------------------------------- rule level
-def test_tile_kind_matches_brute_force():
-    g = np.random.default_rng(0)
-    for _ in range(400):
+def random_tiles(seed, count=400):
+    """``count`` random tiles with band rules: ``(i0, rows, j0, cols, pre, nxt, pfx)`` and the brute-force
+    visibility ``[rows, cols]`` of their keys (band ``i - pre <= j <= i + nxt``, or ``j < pfx``)."""
+    g = np.random.default_rng(seed)
+    for _ in range(count):
         i0, j0 = (int(x) for x in g.integers(0, 600, 2))
         rows, cols = (int(x) for x in g.integers(1, 300, 2))
         pre, nxt = (int(x) for x in g.integers(-300, 300, 2))
         pfx = int(g.integers(0, 700)) if g.random() < 0.5 else 0
         i = np.arange(i0, i0 + rows)[:, None]
         j = np.arange(j0, j0 + cols)[None, :]
-        visible = ((j >= i - pre) & (j <= i + nxt)) | (j < pfx)
+        yield (i0, rows, j0, cols, pre, nxt, pfx), ((j >= i - pre) & (j <= i + nxt)) | (j < pfx)
+
+
+def test_tile_kind_matches_brute_force():
+    for (i0, rows, j0, cols, pre, nxt, pfx), visible in random_tiles(0):
         kind = _tile_kind(i0, rows, j0, cols, pre, nxt, pfx)
         if kind == _OUTSIDE:
             assert not visible.any()
@@ -195,16 +201,8 @@ def test_visible_tile_drops_only_leading_columns_no_row_sees():
     """The tile cut at a band's left edge: the dropped leading columns (an even count) hold no visible key of any
     row, and where the first row sees a key of the tile, the columns before it go (but the one that keeps the count
     even)."""
-    g = np.random.default_rng(1)
     cut = 0
-    for _ in range(400):
-        i0, j0 = (int(x) for x in g.integers(0, 600, 2))
-        rows, cols = (int(x) for x in g.integers(1, 300, 2))
-        pre, nxt = (int(x) for x in g.integers(-300, 300, 2))
-        pfx = int(g.integers(0, 700)) if g.random() < 0.5 else 0
-        i = np.arange(i0, i0 + rows)[:, None]
-        j = np.arange(j0, j0 + cols)[None, :]
-        visible = ((j >= i - pre) & (j <= i + nxt)) | (j < pfx)
+    for (i0, rows, j0, cols, pre, nxt, pfx), visible in random_tiles(1):
         tile, kind, lead = _visible_tile(0, 0, i0, rows, j0, cols, pre, nxt, pfx)
         assert lead % 2 == 0 and 0 <= lead <= cols and tuple(tile) == (0, 0, i0, rows, j0 + lead, cols - lead)
         assert not visible[:, :lead].any()
