@@ -191,6 +191,32 @@ def test_rope_forward_is_the_concatenated_product(sq, skv, mode, dtype):
             assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_band_left_edge_cut_with_rope_and_dropout(dtype):
+    """A band over several key blocks (pre 300, next 40, Skv 1100: forward blocks of 512, backward blocks of 256
+    keys), so that tiles start past their block's first key on every block, with rope (even Dr: the brgemm's
+    ``[Q | Q_rope] [K | K_rope]^T`` product where it serves the dtype) and dropout, against float64 on the
+    concatenated tensors."""
+    s, n1, n2 = 1100, 2, 1
+    q, dy, qr = random_tensors(((1, n1, s, 32), (1, n1, s, 32), (1, n1, s, 8)), dtype, 16)
+    k, v, kr = random_tensors(((1, n2, s, 32), (1, n2, s, 32), (1, n2, s, 8)), dtype, 17)
+    drop = generate_drop_mask(7, 0, n1 * s * s, 0.9)
+    kw = dict(scale_value=0.15, keep_prob=0.9, drop_mask=drop, atten_mask=CAUSAL, sparse_mode=4, pre_tokens=300,
+              next_tokens=40)
+    out, smax, ssum = attngrad.flash_attention_score(q, k, v, n1, "BNSD", query_rope=qr, key_rope=kr, **kw)
+    plan = AttentionPlan(scale=0.15, pre_tokens=300, next_tokens=40, keep_prob=0.9, drop_mask=drop)
+    qc, kc = torch.cat([q, qr], -1), torch.cat([k, kr], -1)
+    for i, (got, want) in enumerate(zip((out, smax, ssum), flash_attention_forward_reference(qc, kc, v, plan))):
+        assert_close(got if i == 0 else got[..., 0], want, got.dtype)
+    dq, dk, dv, _, dqr, dkr, _ = attngrad.flash_attention_score_grad(
+        q, k, v, dy, n1, "BNSD", query_rope=qr, key_rope=kr, softmax_max=smax, softmax_sum=ssum, attention_in=out,
+        **kw)
+    g_dq, g_dk, g_dv = flash_attention_backward_reference(qc, kc, v, dy, out, smax[..., 0], ssum[..., 0], plan)
+    for got, want in ((dq, g_dq[..., :32]), (dk, g_dk[..., :32]), (dv, g_dv), (dqr, g_dq[..., 32:]),
+                      (dkr, g_dk[..., 32:])):
+        assert_close(got, want, dtype)
+
+
 def test_rope_with_pse_dropout_and_sink_equals_concatenated_fp32():
     """Every feature at once (pse, dropout, band mask, GQA, shared k_rope, sink): the rope path equals attngrad
     on the concatenated tensors (float32: same math, other GEMM split)."""
