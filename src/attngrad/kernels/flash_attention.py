@@ -1318,7 +1318,6 @@ def _backward_visible_tile(ops, plan, grads, work, keys, packed, tile, n2, chunk
         if kind == _OUTSIDE or tile.cols == 0:
             return  # P = exp(-FLT_MAX - max) = 0 on the whole tile
     on_brgemm = packed and (rows % 2 == 0 or not _pairs(ops.q))
-    tile = Tile(b, n, i0, rows, j0 + lead, cols - lead)
     queries = _query_rows(ops, work, tile, on_brgemm)
     _score_gemms(ops, tile, n2, queries, keys, lead, on_brgemm, work)
     # subnormals flushed (:func:`.numeric.flush_denormals`) from the sweep on, or from its products on when the
