@@ -19,10 +19,10 @@ from attngrad.precision import assert_close
 
 
 @njit
-def _products(x, scale):
+def _products(x, scale, exact):
     out = np.empty(x.size, dtype=np.float32)
     for i in range(x.size):
-        out[i] = _rounded_product(x[i], scale, x)
+        out[i] = _rounded_product(x[i], scale, exact)
     return out
 
 
@@ -39,7 +39,7 @@ def test_fp16_product_is_the_rounded_fp32_product_for_every_fp16(scale):
     # by numeric.float16_grid: the product stays finite there, and the kernel checks each row's max for it
     x = np.arange(-32768, 32768, dtype=np.int64).astype(np.int16)
     s = np.float32(torch.tensor(scale, dtype=torch.float16).item())
-    fast, slow = _products(x, s), _rounded_products(x, s)
+    fast, slow = _products(x, s, False), _rounded_products(x, s)
     nan = np.isnan(slow)
     overflow = np.isinf(slow) & np.isfinite(torch.from_numpy(x).view(torch.float16).float().numpy())
     assert overflow.any() == (abs(scale) > 1)
@@ -49,6 +49,10 @@ def test_fp16_product_is_the_rounded_fp32_product_for_every_fp16(scale):
     assert np.array_equal((fast[exact] + 0).view(np.int32), (slow[exact] + 0).view(np.int32))
     if _FLOAT16_GRID_SCALING:
         assert np.isfinite(fast[overflow]).all() and (np.abs(fast[overflow]) >= FLOAT16_GRID_LIMIT).all()
+    # the exact form (rows whose max says a grid product may have overflowed): every value, overflow to inf included
+    exact_form = _products(x, s, True)
+    assert np.array_equal(np.isnan(exact_form), nan)
+    assert np.array_equal((exact_form[~nan] + 0).view(np.int32), (slow[~nan] + 0).view(np.int32))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -643,6 +643,14 @@ _widen_f16 = _f16c_to_f32 if HAS_F16C else _f16_to_f32
 _narrow_f16 = _f32_to_f16c if HAS_F16C else _f32_to_f16
 
 
+@njit(inline="always")
+def float16_rounded(v):
+    """float32 -> float32 rounded to float16 (half to even; inf beyond float16's range, nan kept): the values of
+    ``widen(narrow(v, like))`` for float16, inlined, with no function call that would keep a loop around it from
+    being vectorised."""
+    return _widen_f16(_narrow_f16(np.float32(v)))
+
+
 @overload(widen, inline="always")
 def _widen_impl(x):
     if x == types.float32:

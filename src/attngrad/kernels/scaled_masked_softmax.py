@@ -49,9 +49,9 @@ from numba.extending import intrinsic, overload
 
 from .layouts import launch_workers
 from .numeric import (FASTMATH, FLOAT16_GRID_LIMIT, HAS_AVX512_FP16, HAS_AVX512F, HAS_F16C, NO_POSITIVE, aligned_empty,
-                      array_at, copy_row, exp_nonpositive, float16_grid, fmax_any_nan, narrow, narrow_fast,
-                      narrow_finite, narrow_ftz_exact, ordered_mul, prefer_512_bit_vectors, prefetch_bytes,
-                      row_address, row_view, stream_fence, track_flushable, track_nan, widen)
+                      array_at, copy_row, exp_nonpositive, float16_grid, float16_rounded, fmax_any_nan, narrow,
+                      narrow_fast, narrow_finite, narrow_ftz_exact, ordered_mul, prefer_512_bit_vectors, prefetch_bytes,
+                      row_address, row_view, stream_fence, track_flushable, track_nan, unowned, widen)
 from .threads import call_native, claim, on_torch_threads
 
 MASK_VALUE = np.float32(-10000.0)  # CANN fills masked logits with -10000, not -inf
@@ -84,21 +84,25 @@ def _f16_mul(typingctx, h, s):
 _FLOAT16_GRID_SCALING = not HAS_AVX512_FP16 and (HAS_AVX512F or not HAS_F16C)
 
 
-def _rounded_product(x, scale, like):  # pragma: no cover - compiled through the overload below
-    """x * scale rounded to the element type of ``like``, as float32 (CANN's fp16 path scales in fp16). float16:
-    one float16 multiply with AVX512-FP16, else with ``_FLOAT16_GRID_SCALING`` ``numeric.float16_grid`` of the
-    float32 product (exact: the product of two float16 values is), which misses float16 overflow
-    (:func:`_checked_top`), else the float16 conversions."""
+def _rounded_product(x, scale, exact):  # pragma: no cover - compiled through the overload below
+    """float16 x (int16 bits) times scale rounded to float16, as float32 (CANN's fp16 path scales in fp16): one
+    float16 multiply with AVX512-FP16, else with ``_FLOAT16_GRID_SCALING`` ``numeric.float16_grid`` of the float32
+    product (exact: the product of two float16 values is), which misses float16 overflow (:func:`_checked_top`),
+    else or with ``exact`` the float16 conversions. Other types: x * scale in float32 (only float16 rounds). No
+    function call: it sits in a branch of the row loops, which LLVM vectorises only around inlined code."""
     raise NotImplementedError
 
 
 @overload(_rounded_product, inline="always")
-def _rounded_product_impl(x, scale, like):
-    if x == types.int16 and HAS_AVX512_FP16:
-        return lambda x, scale, like: _f16_mul(x, scale)
-    if x == types.int16 and _FLOAT16_GRID_SCALING:
-        return lambda x, scale, like: float16_grid(widen(x) * scale)
-    return lambda x, scale, like: widen(narrow(widen(x) * scale, like))
+def _rounded_product_impl(x, scale, exact):
+    if x != types.int16:
+        return lambda x, scale, exact: widen(x) * scale
+    if HAS_AVX512_FP16:
+        return lambda x, scale, exact: _f16_mul(x, scale)
+    if _FLOAT16_GRID_SCALING:
+        return lambda x, scale, exact: (float16_rounded(widen(x) * scale) if exact
+                                        else float16_grid(widen(x) * scale))
+    return lambda x, scale, exact: float16_rounded(widen(x) * scale)
 
 
 # float16_grid leaves a logit that overflows float16 finite (at most -65536 where float16 has -inf): with the row
@@ -182,9 +186,8 @@ def _logit_rows(x, mask, row, scratch):
 def _logit(xr, mr, j, scale, round_scaled, exact):
     """where(mask, -10000, x * scale) in fp32 at column j of the rows xr, mr; the fp16 path rounds x * scale to
     fp16 first (CANN): by :func:`_rounded_product`, with ``exact`` by the float16 conversion."""
-    z = widen(xr[j]) * scale
-    if round_scaled:
-        z = widen(narrow(z, xr)) if exact else _rounded_product(xr[j], scale, xr)
+    x = xr[j]
+    z = _rounded_product(x, scale, exact) if round_scaled else widen(x) * scale
     return MASK_VALUE if mr[j] else z
 
 
@@ -320,6 +323,9 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
     the worker, not inlined into it, which numba compiles slowly for a body this large (docs/performance.md, 'Test
     suite time')."""
     prefer_512_bit_vectors()
+    # views that count no references: passing the arguments on took atomic counts per row on counters the threads
+    # share (docs/performance.md, 'Reference counts in the softmax rows')
+    x, mask, y = unowned(x), unowned(mask), unowned(y)
     N, S1, S2 = x.shape[1], x.shape[2], x.shape[3]
     y_address, out_address = y.ctypes.data, out.ctypes.data
     b1, n1, s1, _, _ = _row(first, N, S1, mask)
@@ -439,6 +445,7 @@ def _backward_block(grad_output, y, mask, scale, out, first, last, row_out, scra
     to out (:func:`_put_row`). The inputs are read through row views (:func:`_row_view`,
     ``scratch``: five :func:`_scratch_rows`, the mask's in slot 4). Compiled on its own, as :func:`_forward_block`."""
     prefer_512_bit_vectors()
+    grad_output, y, mask, out = unowned(grad_output), unowned(y), unowned(mask), unowned(out)  # as in _forward_block
     N, S1, S2 = grad_output.shape[1], grad_output.shape[2], grad_output.shape[3]
     out_address, row_out_address = out.ctypes.data, row_out.ctypes.data
     b, n, s, _, _ = _row(first, N, S1, mask)
