@@ -22,6 +22,7 @@ from attngrad import bench
 from attngrad.benchmarks import bench_scaling
 from attngrad.cli import main
 from attngrad.kernels import gemm_paths
+from attngrad.kernels.numeric import HAS_AVX512_FP16
 from attngrad.machine import cpu_model, isa_flags
 
 ROOFLINES = {"copy_gbps": 20.0, "gemm_fp32_torch_tflops": 0.5, "gemm_fp32_tiles_tflops": 0.45,
@@ -36,7 +37,9 @@ def calibration_in(tmp_path, monkeypatch):
     measured = []
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.delenv(gemm_paths.ENV, raising=False)
+    monkeypatch.delenv(gemm_paths.SCALING_ENV, raising=False)
     monkeypatch.setattr(gemm_paths, "measure", lambda d: measured.append(d) or {"native": 10.0, "widened_fp32": 5.0})
+    monkeypatch.setattr(gemm_paths, "measure_float16_scaling", lambda: {"grid": 1.0, "conversions": 2.0})
     gemm_paths.calibration.cache_clear()
     yield measured
     gemm_paths.calibration.cache_clear()
@@ -374,12 +377,16 @@ def test_report_opens_with_the_machine_and_calibrate_measures_again(tmp_path, mo
     argv = ["bench", "--quick", "--repeat", "1", "--no-plots", "--out", str(tmp_path)]
     assert main(argv) == 0 and len(calibration_in) == 2
     assert main([*argv, "--calibrate"]) == 0 and len(calibration_in) == 4
-    assert "GEMM-path calibration" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    scaling = gemm_paths.FLOAT16_MULTIPLY if HAS_AVX512_FP16 else gemm_paths.GRID  # grid timed faster here
+    assert "GEMM-path calibration" in out and f"; chosen: {scaling}" in out
     machine = json.loads((tmp_path / "bench.json").read_text())["machine"]
+    assert machine["float16_scaling"] == scaling
     assert machine["cpu"] == cpu_model() and machine["isa"] == list(isa_flags())
     assert machine["threads"] == torch.get_num_threads()
     assert machine["gemm_paths"] == {"bfloat16": "widened_fp32", "float16": "widened_fp32"}
     summary = (tmp_path / "bench.md").read_text()
     assert summary.startswith(f"CPU: {cpu_model()}") and "GEMM paths: bfloat16 widened_fp32" in summary
+    assert f"; float16 softmax scaling: {scaling}" in summary
     assert "; GEMMs capped by MKL_ENABLE_INSTRUCTIONS=AVX512_E3)" in summary
     assert "kernel tiles (best 0.5)" in summary and "fp32 tiles 2)" in summary  # the best of each dtype's GEMMs

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from attngrad.kernels import gemm_paths
-from attngrad.kernels.gemm_paths import NATIVE, WIDENED, calibrate, calibration, gemm_path
+from attngrad.kernels.gemm_paths import (CONVERSIONS, FLOAT16_MULTIPLY, GRID, NATIVE, WIDENED, calibrate,
+                                         calibration, float16_scaling, gemm_path)
+from attngrad.kernels.numeric import HAS_AVX512_FP16
 from attngrad.machine import GEMM_ISA_CAPS, isa_flags
 from helpers import attention_inputs
 
@@ -18,7 +20,7 @@ from helpers import attention_inputs
 def _fresh_cache(tmp_path, monkeypatch):
     """Each test: an empty cache folder, no override or ISA cap, no calibration remembered by this process."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    for name in (gemm_paths.ENV, *GEMM_ISA_CAPS):
+    for name in (gemm_paths.ENV, gemm_paths.SCALING_ENV, *GEMM_ISA_CAPS):
         monkeypatch.delenv(name, raising=False)
     calibration.cache_clear()
     yield
@@ -35,6 +37,7 @@ def fake_timings(monkeypatch):
         return {NATIVE: 100.0, WIDENED: 50.0 if dtype == torch.float16 else 95.0}
 
     monkeypatch.setattr(gemm_paths, "measure", measure)
+    monkeypatch.setattr(gemm_paths, "measure_float16_scaling", lambda: {GRID: 30.0, CONVERSIONS: 20.0})
     return calls
 
 
@@ -110,6 +113,32 @@ def test_unwritable_cache_warns_and_still_answers(tmp_path, monkeypatch, fake_ti
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
     with pytest.warns(UserWarning, match="could not save"):
         assert gemm_path(torch.float16) == WIDENED
+
+
+def test_float16_scaling_takes_the_faster_rounding_or_the_environment(monkeypatch, fake_timings):
+    if HAS_AVX512_FP16:  # one float16 multiply: nothing to choose, nothing measured
+        assert float16_scaling() == FLOAT16_MULTIPLY and calibration()["float16_scaling"] == FLOAT16_MULTIPLY
+        return
+    assert float16_scaling() == CONVERSIONS  # 20 us against 30
+    assert calibration()["float16_scaling_microseconds"] == {GRID: 30.0, CONVERSIONS: 20.0}
+    monkeypatch.setenv(gemm_paths.SCALING_ENV, " Grid ")
+    assert float16_scaling() == GRID
+    monkeypatch.setenv(gemm_paths.SCALING_ENV, "fastest")
+    with pytest.raises(ValueError, match="ATTNGRAD_FLOAT16_SCALING must be one of grid, conversions or auto"):
+        float16_scaling()
+
+
+def test_entry_without_a_float16_scaling_is_measured_again(fake_timings):
+    path = gemm_paths.cache_path()
+    path.parent.mkdir(parents=True)
+    older = {"paths": {"bfloat16": WIDENED, "float16": WIDENED}}  # an entry written before the scaling was timed
+    path.write_text(json.dumps({"format": 1, "entries": {gemm_paths._key_text(gemm_paths.machine_key()): older}}))
+    assert calibration()["float16_scaling"] in (CONVERSIONS, FLOAT16_MULTIPLY) and len(fake_timings) == 2
+
+
+def test_float16_scaling_measurement_times_both_roundings():
+    timings = gemm_paths.measure_float16_scaling()
+    assert set(timings) == {GRID, CONVERSIONS} and all(t > 0 for t in timings.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -11,6 +11,7 @@ import torch
 
 import attngrad
 from attngrad import aclnn, npu
+from attngrad.kernels.gemm_paths import SCALING_ENV, SCALINGS
 from attngrad.kernels.scaled_masked_softmax_reference import (scaled_masked_softmax_backward_reference,
                                                                scaled_masked_softmax_reference)
 from attngrad.precision import assert_close
@@ -301,7 +302,15 @@ def test_large_magnitudes(dtype):
     check_backward((torch.randn(shape) * big).to(dtype), y, mask, 1.0)
 
 
+@pytest.fixture(params=SCALINGS)
+def float16_scaling(request, monkeypatch):
+    """Each of the two float16 roundings of x * scale, forced (a CPU with AVX512-FP16 runs its one multiply)."""
+    monkeypatch.setenv(SCALING_ENV, request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("sign", [1.0, -1.0])
+@pytest.mark.usefixtures("float16_scaling")
 def test_fp16_scaled_overflow_follows_the_fp16_golden(sign):
     # x * scale is computed in fp16: 60000 * 2 overflows to inf -> nan row; -inf -> probability 0
     shape = (1, 1, 2, 6)
@@ -319,7 +328,27 @@ def test_fp16_scaled_overflow_follows_the_fp16_golden(sign):
         assert torch.isfinite(check_forward(x.to(dtype), mask, 2.0)).all()
 
 
+def test_fp16_roundings_give_the_same_bits(monkeypatch):
+    # 130 rows (past one 64-row block, so most rows run in the software pipeline's middle), every fifth holding a
+    # logit that overflows to +inf (a nan row) and every seventh one that overflows to -inf, on a strided x
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 2, 130, 301, generator=g) * 300
+    x[0, :, ::5, 7] = 40000.0
+    x[0, :, ::7, 11] = -40000.0
+    x = x.to(torch.float16).transpose(2, 3).contiguous().transpose(2, 3)
+    mask = torch.rand(1, 1, 130, 301, generator=g) < 0.2
+    mask[..., [7, 11]] = False
+    results = []
+    for scaling in SCALINGS:
+        monkeypatch.setenv(SCALING_ENV, scaling)
+        results.append(attngrad.scaled_masked_softmax(x, mask, 2.0))
+    assert torch.equal(bits(results[0]), bits(results[1]))
+    assert torch.isnan(results[0][0, :, ::5]).all() and torch.isfinite(results[0][0, :, 1:5]).all()
+    assert_close(results[0], scaled_masked_softmax_reference(x, mask, 2.0), torch.float16, use_mere=True)
+
+
 @pytest.mark.parametrize("s2", [8, 300])  # rows in the software pipeline's middle, not only at a block's ends
+@pytest.mark.usefixtures("float16_scaling")
 def test_fp16_rows_whose_max_lies_near_the_scaled_overflow(s2):
     # x * 2 in fp16: x <= -32760 overflows to -inf. Rows: all overflowed (nan row); an overflowed logit beside a max
     # of -65408, of -65472 and of -65504 (probability 0 for it, the rest a softmax); all overflowed but a masked one

@@ -9,20 +9,21 @@ import torch
 from numba import njit
 
 from attngrad import scaled_masked_softmax
-from attngrad.kernels.numeric import FLOAT16_GRID_LIMIT
-from attngrad.kernels.scaled_masked_softmax import (_FLOAT16_GRID_SCALING, _rounded_product,
-                                                   scaled_masked_softmax_backward, scaled_masked_softmax_forward)
+from attngrad.kernels.numeric import FASTMATH, FLOAT16_GRID_LIMIT, HAS_AVX512_FP16
+from attngrad.kernels.scaled_masked_softmax import (CONVERTED_SCALING, GRID_SCALING, _scaled_logit,
+                                                   scaled_masked_softmax_backward, scaled_masked_softmax_forward,
+                                                   scaling_of)
 from attngrad.kernels.tensor_view import kernel_view
 from attngrad.kernels.scaled_masked_softmax_reference import (scaled_masked_softmax_backward_reference,
                                                              scaled_masked_softmax_reference)
 from attngrad.precision import assert_close
 
 
-@njit
-def _products(x, scale, exact):
+@njit(fastmath=FASTMATH)
+def _products(x, scale, scaling):
     out = np.empty(x.size, dtype=np.float32)
     for i in range(x.size):
-        out[i] = _rounded_product(x[i], scale, exact)
+        out[i] = _scaled_logit(x[i], scale, scaling)
     return out
 
 
@@ -39,18 +40,20 @@ def test_fp16_product_is_the_rounded_fp32_product_for_every_fp16(scale):
     # by numeric.float16_grid: the product stays finite there, and the kernel checks each row's max for it
     x = np.arange(-32768, 32768, dtype=np.int64).astype(np.int16)
     s = np.float32(torch.tensor(scale, dtype=torch.float16).item())
-    fast, slow = _products(x, s, False), _rounded_products(x, s)
+    fast, slow = _products(x, s, GRID_SCALING), _rounded_products(x, s)
     nan = np.isnan(slow)
     overflow = np.isinf(slow) & np.isfinite(torch.from_numpy(x).view(torch.float16).float().numpy())
     assert overflow.any() == (abs(scale) > 1)
-    exact = ~nan & ~overflow if _FLOAT16_GRID_SCALING else ~nan
+    on_grid = not HAS_AVX512_FP16  # AVX512-FP16: one float16 multiply for either scaling
+    exact = ~nan & ~overflow if on_grid else ~nan
     assert np.array_equal(np.isnan(fast), nan)
     # + 0 turns -0.0 into +0.0: the grid's zeros may carry either sign (no softmax sees the difference)
     assert np.array_equal((fast[exact] + 0).view(np.int32), (slow[exact] + 0).view(np.int32))
-    if _FLOAT16_GRID_SCALING:
+    if on_grid:
         assert np.isfinite(fast[overflow]).all() and (np.abs(fast[overflow]) >= FLOAT16_GRID_LIMIT).all()
-    # the exact form (rows whose max says a grid product may have overflowed): every value, overflow to inf included
-    exact_form = _products(x, s, True)
+    # the conversions (also for rows whose max says a grid product may have overflowed): every value, overflow to
+    # inf included
+    exact_form = _products(x, s, CONVERTED_SCALING)
     assert np.array_equal(np.isnan(exact_form), nan)
     assert np.array_equal((exact_form[~nan] + 0).view(np.int32), (slow[~nan] + 0).view(np.int32))
 
@@ -89,7 +92,8 @@ def test_streamed_outputs_equal_cached_ones(dtype, layout):
     results = []
     for stream in (False, True):
         y, dx = _outputs(shape, dtype, layout), _outputs(shape, dtype, layout)
-        scaled_masked_softmax_forward(kernel_view(x), mask, scale, dtype == torch.float16, stream, kernel_view(y))
+        scaled_masked_softmax_forward(kernel_view(x), mask, scale, scaling_of(dtype == torch.float16), stream,
+                                      kernel_view(y))
         scaled_masked_softmax_backward(kernel_view(dy), kernel_view(y), mask, scale, stream, kernel_view(dx))
         results.append((y, dx))
     (y0, dx0), (y1, dx1) = results

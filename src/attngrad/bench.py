@@ -180,7 +180,9 @@ def machine_info(recalibrate: bool = False) -> dict:
             "gemm_paths": {str(d).removeprefix("torch."): gemm_paths.gemm_path(d)
                            for d in gemm_paths.CALIBRATED_DTYPES},
             "gemm_path_forced": gemm_paths.forced_path() is not None,
-            "gemm_calibration": {k: entry[k] for k in ("measured", "paths", "microseconds")}}
+            "float16_scaling": gemm_paths.float16_scaling(),
+            "gemm_calibration": {k: entry[k] for k in ("measured", "paths", "microseconds", "float16_scaling",
+                                                       "float16_scaling_microseconds")}}
 
 
 def machine_text(machine: dict) -> str:
@@ -192,7 +194,8 @@ def machine_text(machine: dict) -> str:
     caps = ", ".join(f"{name}={value}" for name, value in machine["isa_caps"].items())
     caps = f"; GEMMs capped by {caps}" if caps else ""
     return (f"CPU: {machine['cpu']} ({isa}{caps}), {machine['cpus']} CPUs; torch {machine['torch']}, "
-            f"{machine['threads']} threads (kernels: {machine['kernel_threads']}); GEMM paths: {paths} ({source})")
+            f"{machine['threads']} threads (kernels: {machine['kernel_threads']}); GEMM paths: {paths} ({source}); "
+            f"float16 softmax scaling: {machine['float16_scaling']}")
 
 
 def rooflines_text(r: dict[str, float]) -> str:
@@ -444,6 +447,9 @@ def _render_calibration(calibration: dict, console) -> None:
     for dtype, t in calibration["microseconds"].items():
         table.add_row(dtype, f"{t[NATIVE]:.0f}", f"{t[WIDENED]:.0f}", calibration["paths"][dtype])
     console.print(table)
+    scaling = ", ".join(f"{name} {us:.1f} us" for name, us in calibration["float16_scaling_microseconds"].items())
+    console.print(f"float16 softmax scaling (its forward on 1024 rows of 1024 logits, best of N): "
+                  f"{scaling or 'not timed'}; chosen: {calibration['float16_scaling']}")
 
 
 def _console():

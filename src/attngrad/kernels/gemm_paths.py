@@ -17,6 +17,11 @@ under a key of the CPU model, its instruction sets, the caps the environment put
 (:func:`..machine.gemm_isa_caps`) and the torch, MKL and attngrad versions; a missing, corrupted or
 foreign cache file means a new measurement, never an error. ``ATTNGRAD_GEMM_PATH=native|widened_fp32`` forces a
 path for both dtypes (``auto`` or unset: the calibration); ``attngrad bench --calibrate`` measures again.
+
+The same calibration times how the float16 softmax rounds its scaled logits to float16 (:func:`float16_scaling`):
+``numeric.float16_grid`` (integer operations) or the float16 conversions, which give the same values and whose
+speeds rank differently from one CPU to the next; a CPU with AVX512-FP16 multiplies in float16 and is not timed.
+``ATTNGRAD_FLOAT16_SCALING=grid|conversions`` forces one.
 """
 
 from __future__ import annotations
@@ -39,12 +44,15 @@ from numba import njit
 
 from ..machine import cpu_model, gemm_isa_caps, isa_flags
 from .gemm import BRGEMM_DTYPES, NO_TRANS, brgemm, gemm
-from .numeric import widen
+from .numeric import HAS_AVX512_FP16, widen
 from .tensor_view import aligned_bytes
 
 ENV = "ATTNGRAD_GEMM_PATH"
 NATIVE, WIDENED = "native", "widened_fp32"
 PATHS = (NATIVE, WIDENED)
+SCALING_ENV = "ATTNGRAD_FLOAT16_SCALING"
+GRID, CONVERSIONS, FLOAT16_MULTIPLY = "grid", "conversions", "float16_multiply"
+SCALINGS = (GRID, CONVERSIONS)
 CALIBRATED_DTYPES = (torch.bfloat16, torch.float16)
 _FORMAT = 1
 _MARGIN = 0.9  # widened_fp32 is chosen when it takes at most this fraction of the native time
@@ -70,6 +78,19 @@ def forced_path() -> str | None:
         return None
     if value not in PATHS:
         raise ValueError(f"{ENV} must be one of {', '.join(PATHS)} or auto, got {os.environ[ENV]!r}")
+    return value
+
+
+def float16_scaling() -> str:
+    """How the float16 softmax rounds ``x * scale`` to float16 here: ``grid`` or ``conversions`` (module
+    docstring), ``float16_multiply`` with AVX512-FP16."""
+    if HAS_AVX512_FP16:
+        return FLOAT16_MULTIPLY
+    value = os.environ.get(SCALING_ENV, "auto").strip().lower()
+    if value == "auto":
+        return calibration()["float16_scaling"]
+    if value not in SCALINGS:
+        raise ValueError(f"{SCALING_ENV} must be one of {', '.join(SCALINGS)} or auto, got {os.environ[SCALING_ENV]!r}")
     return value
 
 
@@ -119,7 +140,8 @@ def _key_text(key: dict) -> str:
 def _valid(entry) -> bool:
     if not isinstance(entry, dict) or not isinstance(entry.get("paths"), dict):
         return False
-    return all(entry["paths"].get(str(d).removeprefix("torch.")) in PATHS for d in CALIBRATED_DTYPES)
+    return (all(entry["paths"].get(str(d).removeprefix("torch.")) in PATHS for d in CALIBRATED_DTYPES)
+            and entry.get("float16_scaling") in (*SCALINGS, FLOAT16_MULTIPLY))
 
 
 def _load_entries() -> dict:
@@ -135,9 +157,12 @@ def _load_entries() -> dict:
 
 def _measure_and_save(key: dict) -> dict:
     timings = {str(d).removeprefix("torch."): measure(d) for d in CALIBRATED_DTYPES}
+    scaling = {} if HAS_AVX512_FP16 else measure_float16_scaling()
     entry = {"key": key, "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              "paths": {d: WIDENED if t[WIDENED] <= _MARGIN * t[NATIVE] else NATIVE for d, t in timings.items()},
-             "microseconds": timings}
+             "microseconds": timings,
+             "float16_scaling": min(scaling, key=scaling.get) if scaling else FLOAT16_MULTIPLY,
+             "float16_scaling_microseconds": scaling}
     entries = _load_entries()
     entries[_key_text(key)] = entry
     _write_atomically(cache_path(), json.dumps({"format": _FORMAT, "entries": entries}, indent=1))
@@ -177,17 +202,41 @@ def measure(dtype: torch.dtype) -> dict[str, float]:
                       _aligned_empty((k, n), np.float32), _aligned_empty((m, n), np.float32)))
     brgemm_native = dtype in BRGEMM_DTYPES
     brgemm_widened = torch.float32 in BRGEMM_DTYPES
-    runs = {NATIVE: lambda t: _native_product(*t, brgemm_native),
-            WIDENED: lambda t: _widened_product(*t, brgemm_widened)}
-    best = dict.fromkeys(runs, float("inf"))
-    for name, run in runs.items():  # warm-up: compilation, MKL's first-call set-up
-        for t in tiles:
-            run(t)
+    products = {NATIVE: lambda t: _native_product(*t, brgemm_native),
+                WIDENED: lambda t: _widened_product(*t, brgemm_widened)}
+    return _best_of_rounds({name: functools.partial(_each_tile, product, tiles) for name, product in products.items()})
+
+
+def _each_tile(product: Callable, tiles: list) -> None:
+    for t in tiles:
+        product(t)
+
+
+def measure_float16_scaling() -> dict[str, float]:
+    """Microseconds of the float16 softmax forward (the kernel itself, on torch's threads) on 1024 rows of 1024
+    logits by each of :data:`SCALINGS`, best of ``_ROUNDS`` interleaved rounds. The first measurement on a machine
+    compiles the kernel for both (numba's cache keeps them)."""
+    from .scaled_masked_softmax import CONVERTED_SCALING, GRID_SCALING, scaled_masked_softmax_forward
+
+    x = torch.randn(1, 16, 64, 1024, generator=torch.Generator().manual_seed(0)).half()
+    views = (x.view(torch.int16).numpy(), np.zeros((1, 1, 64, 1024), np.uint8), np.float32(0.125))
+    y = np.empty(x.shape, np.int16)
+    runs = {name: functools.partial(scaled_masked_softmax_forward, *views, marker, False, y)
+            for name, marker in ((GRID, GRID_SCALING), (CONVERSIONS, CONVERTED_SCALING))}
+    return _best_of_rounds(runs)
+
+
+def _best_of_rounds(runs: dict[str, Callable[[], None]]) -> dict[str, float]:
+    """Microseconds of each of two ``runs``, best of ``_ROUNDS`` rounds that alternate their order, after a
+    warm-up call of each (compilation, libraries' first-call set-up)."""
+    names = list(runs)
+    for run in runs.values():
+        run()
+    best = dict.fromkeys(names, float("inf"))
     for round_ in range(_ROUNDS):
-        for name in (PATHS if round_ % 2 == 0 else PATHS[::-1]):
+        for name in (names if round_ % 2 == 0 else names[::-1]):
             start = time.perf_counter()
-            for t in tiles:
-                runs[name](t)
+            runs[name]()
             best[name] = min(best[name], time.perf_counter() - start)
     return {name: round(seconds * 1e6, 1) for name, seconds in best.items()}
 

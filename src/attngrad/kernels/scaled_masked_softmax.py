@@ -28,8 +28,9 @@ memory once and written once:
 * the bf16/fp16 forward is compute-bound, so its row loop is kept short: ``exp_nonpositive`` (no overflow
   clamp, 2**n built from the rounding of the argument reduction, a degree-4 polynomial for bf16/fp16 outputs),
   a one-``vmaxps`` row max (``numeric.fmax_any_nan``), the fp16 scaling as one float16 multiply with
-  AVX512-FP16, by the F16C conversions with AVX2, else by ``numeric.float16_grid`` without conversions (a row
-  whose max says that a product may have overflowed is loaded again by conversions: :func:`_checked_top`), and bf16
+  AVX512-FP16, else by the float16 conversions or by ``numeric.float16_grid`` without conversions, whichever this
+  machine runs faster (a grid row whose max says that a product may have overflowed is loaded again by
+  conversions: :func:`_checked_top`), and bf16
   rounding by ``narrow_fast`` (the one-instruction ``narrow_ftz`` with AVX512-BF16, else the integer rounding
   without its nan test) when it is exact for the row: no output is a nan (a row of nans has a nan sum) and, with
   ``narrow_ftz``, none is a float32 subnormal (the exp loop tracks the row's smallest positive exp for that test,
@@ -47,8 +48,9 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
+from .gemm_paths import GRID, float16_scaling
 from .layouts import launch_workers
-from .numeric import (FASTMATH, FLOAT16_GRID_LIMIT, HAS_AVX512_FP16, HAS_AVX512F, HAS_F16C, NO_POSITIVE, aligned_empty,
+from .numeric import (FASTMATH, FLOAT16_GRID_LIMIT, HAS_AVX512_FP16, HAS_AVX512F, NO_POSITIVE, aligned_empty,
                       array_at, copy_row, exp_nonpositive, float16_grid, float16_rounded, fmax_any_nan, narrow,
                       narrow_fast, narrow_finite, narrow_ftz_exact, ordered_mul, prefer_512_bit_vectors, prefetch_bytes,
                       row_address, row_view, stream_fence, track_flushable, track_nan, unowned, widen)
@@ -78,31 +80,52 @@ def _f16_mul(typingctx, h, s):
     return types.float32(h, s), codegen
 
 
-# float16 x * scale without AVX512-FP16: by the F16C conversions on AVX2 targets, where they are faster; by
-# numeric.float16_grid on AVX-512 ones, where they were slower, and without F16C (docs/performance.md, 'What
-# limits each operator')
-_FLOAT16_GRID_SCALING = not HAS_AVX512_FP16 and (HAS_AVX512F or not HAS_F16C)
+# How the forward scales the logits: a marker whose numba type selects the code at compile time (one
+# specialisation each). In float32 for every dtype but CANN's float16 path, which rounds x * scale to float16: by
+# numeric.float16_grid or by the float16 conversions, whichever this machine runs faster
+# (gemm_paths.float16_scaling; with AVX512-FP16 both are one float16 multiply)
+FLOAT32_SCALING = np.bool_(False)
+GRID_SCALING = np.uint8(0)
+CONVERTED_SCALING = np.int8(0)
 
 
-def _rounded_product(x, scale, exact):  # pragma: no cover - compiled through the overload below
-    """float16 x (int16 bits) times scale rounded to float16, as float32 (CANN's fp16 path scales in fp16): one
-    float16 multiply with AVX512-FP16, else with ``_FLOAT16_GRID_SCALING`` ``numeric.float16_grid`` of the float32
-    product (exact: the product of two float16 values is), which misses float16 overflow (:func:`_checked_top`),
-    else or with ``exact`` the float16 conversions. Other types: x * scale in float32 (only float16 rounds). No
-    function call: it sits in a branch of the row loops, which LLVM vectorises only around inlined code."""
+def _scaled_logit(x, scale, scaling):  # pragma: no cover - compiled through the overload below
+    """x * scale as float32, for float16 x (int16 bits) with a rounding ``scaling`` rounded to float16 (exact: the
+    product of two float16 values is, so one rounding): one float16 multiply with AVX512-FP16, else
+    ``numeric.float16_grid`` (``GRID_SCALING``: it misses float16 overflow, :func:`_checked_top`) or the float16
+    conversions (``CONVERTED_SCALING``). No function call: it sits in the row loops, which LLVM vectorises only
+    around inlined code."""
     raise NotImplementedError
 
 
-@overload(_rounded_product, inline="always")
-def _rounded_product_impl(x, scale, exact):
-    if x != types.int16:
-        return lambda x, scale, exact: widen(x) * scale
+@overload(_scaled_logit, inline="always")
+def _scaled_logit_impl(x, scale, scaling):
+    if x != types.int16 or scaling == types.boolean:
+        return lambda x, scale, scaling: widen(x) * scale
     if HAS_AVX512_FP16:
-        return lambda x, scale, exact: _f16_mul(x, scale)
-    if _FLOAT16_GRID_SCALING:
-        return lambda x, scale, exact: (float16_rounded(widen(x) * scale) if exact
-                                        else float16_grid(widen(x) * scale))
-    return lambda x, scale, exact: float16_rounded(widen(x) * scale)
+        return lambda x, scale, scaling: _f16_mul(x, scale)
+    if scaling == types.uint8:
+        return lambda x, scale, scaling: float16_grid(widen(x) * scale)
+    return lambda x, scale, scaling: float16_rounded(widen(x) * scale)
+
+
+def scaling_of(rounded: bool):
+    """The scaling marker of a forward call: ``FLOAT32_SCALING``, or with ``rounded`` (CANN's fp16 path) the
+    float16 rounding this machine runs faster (:func:`.gemm_paths.float16_scaling`, measured once)."""
+    if not rounded:
+        return FLOAT32_SCALING
+    return GRID_SCALING if float16_scaling() == GRID else CONVERTED_SCALING
+
+
+def _on_grid(x, scaling):  # pragma: no cover - compiled through the overload below
+    """Whether :func:`_scaled_logit` rounds x's dtype by ``numeric.float16_grid``, as a compile-time constant."""
+    raise NotImplementedError
+
+
+@overload(_on_grid, inline="always")
+def _on_grid_impl(x, scaling):
+    grid = x.dtype == types.int16 and scaling == types.uint8 and not HAS_AVX512_FP16
+    return lambda x, scaling: grid
 
 
 # float16_grid leaves a logit that overflows float16 finite (at most -65536 where float16 has -inf): with the row
@@ -183,40 +206,38 @@ def _logit_rows(x, mask, row, scratch):
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _logit(xr, mr, j, scale, round_scaled, exact):
-    """where(mask, -10000, x * scale) in fp32 at column j of the rows xr, mr; the fp16 path rounds x * scale to
-    fp16 first (CANN): by :func:`_rounded_product`, with ``exact`` by the float16 conversion."""
-    x = xr[j]
-    z = _rounded_product(x, scale, exact) if round_scaled else widen(x) * scale
-    return MASK_VALUE if mr[j] else z
+def _logit(xr, mr, j, scale, scaling):
+    """where(mask, -10000, x * scale) in fp32 at column j of the rows xr, mr, x * scale by :func:`_scaled_logit`
+    (CANN's fp16 path rounds it to fp16 first)."""
+    return MASK_VALUE if mr[j] else _scaled_logit(xr[j], scale, scaling)
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _load_row(xr, mr, scale, round_scaled, exact, bufs, k):
+def _load_row(xr, mr, scale, scaling, bufs, k):
     """bufs[k] = logits of the rows xr, mr (:func:`_logit`); returns their max."""
     top = np.float32(-np.inf)
     for j in range(bufs.shape[1]):
-        z = _logit(xr, mr, j, scale, round_scaled, exact)
+        z = _logit(xr, mr, j, scale, scaling)
         bufs[k, j] = z
         top = fmax_any_nan(top, z)
     return top
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _load_checked_row(xr, mr, scale, round_scaled, bufs, k):
-    """:func:`_load_row` (its fast rounding) with :func:`_checked_top`: bufs[k] = the logits; returns their max."""
-    top = _load_row(xr, mr, scale, round_scaled, False, bufs, k)
-    return _checked_top(top, xr, mr, scale, round_scaled, bufs, k)
+def _load_checked_row(xr, mr, scale, scaling, bufs, k):
+    """:func:`_load_row` with :func:`_checked_top`: bufs[k] = the logits; returns their max."""
+    top = _load_row(xr, mr, scale, scaling, bufs, k)
+    return _checked_top(top, xr, mr, scale, scaling, bufs, k)
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _checked_top(top, xr, mr, scale, round_scaled, bufs, k):
+def _checked_top(top, xr, mr, scale, scaling, bufs, k):
     """``top``, the max of the logits in bufs[k] (rows xr, mr), or, where float16 products rounded by
     ``numeric.float16_grid`` may have overflowed in a way that changes the row (the max outside
     [``_GRID_TOP_LOW``, ``FLOAT16_GRID_LIMIT``), or a nan), the max of the row loaded again by the float16
-    conversion (:func:`_load_row` with ``exact``)."""
-    if round_scaled and _FLOAT16_GRID_SCALING and not _GRID_TOP_LOW <= top < FLOAT16_GRID_LIMIT:
-        return _load_row(xr, mr, scale, round_scaled, True, bufs, k)
+    conversions."""
+    if _on_grid(xr, scaling) and not _GRID_TOP_LOW <= top < FLOAT16_GRID_LIMIT:
+        return _load_row(xr, mr, scale, CONVERTED_SCALING, bufs, k)
     return top
 
 
@@ -272,16 +293,16 @@ def _round_row(bufs, k, inv, out, y, fast):
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _pipelined_row(xr, mr, scale, round_scaled, bufs, stages, top, inv, out, y, fast):
+def _pipelined_row(xr, mr, scale, scaling, bufs, stages, top, inv, out, y, fast):
     """:func:`_pipelined_loop` rounding by ``narrow_fast`` when ``fast`` (:func:`_fast_exact`), else by ``narrow``:
     the loop is compiled once per rounding."""
     if fast:
-        return _pipelined_loop(narrow_fast, xr, mr, scale, round_scaled, bufs, stages, top, inv, out, y)
-    return _pipelined_loop(narrow, xr, mr, scale, round_scaled, bufs, stages, top, inv, out, y)
+        return _pipelined_loop(narrow_fast, xr, mr, scale, scaling, bufs, stages, top, inv, out, y)
+    return _pipelined_loop(narrow, xr, mr, scale, scaling, bufs, stages, top, inv, out, y)
 
 
 @njit(inline="always", fastmath=FASTMATH)
-def _pipelined_loop(rounding, xr, mr, scale, round_scaled, bufs, stages, top, inv, out, y):
+def _pipelined_loop(rounding, xr, mr, scale, scaling, bufs, stages, top, inv, out, y):
     """The three pipeline stages in one loop, ``stages = (cur, nxt, prv)`` rows of ``bufs``: out = bufs[prv] * inv
     rounded by ``rounding``, bufs[nxt] = logits of the next row (its x and mask rows xr, mr),
     bufs[cur] = exp(bufs[cur] - top). Returns the sum and
@@ -293,7 +314,7 @@ def _pipelined_loop(rounding, xr, mr, scale, round_scaled, bufs, stages, top, in
     top_next = np.float32(-np.inf)
     for j in range(np.uint64(bufs.shape[1])):
         out[j] = rounding(bufs[prv, j] * inv, y)
-        z = _logit(xr, mr, j, scale, round_scaled, False)
+        z = _logit(xr, mr, j, scale, scaling)
         bufs[nxt, j] = z
         top_next = fmax_any_nan(top_next, z)
         e = exp_nonpositive(bufs[cur, j] - top, y)
@@ -312,7 +333,7 @@ def _fast_exact(tiny, inv):
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scratch, stream):
+def _forward_block(x, mask, scale, scaling, y, first, last, bufs, out, scratch, stream):
     """Softmax of rows [first, last): three fp32 row buffers ``bufs[0..2]`` rotate (loaded, exponentiated,
     stored); a stored row is rounded into ``out`` and copied to y (:func:`_put_row`). x and the mask are read
     through row views (:func:`_logit_rows`, ``scratch``: two :func:`_scratch_rows`). The rows r - 1 .. r + 1 in
@@ -332,7 +353,7 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
     b0, n0, s0 = b1, n1, s1
     b2, n2, s2 = _next_row(b1, n1, s1, N, S1)
     xr, mr = _logit_rows(x, mask, _row_of(b1, n1, s1, mask), scratch)
-    top_next = _load_checked_row(xr, mr, scale, round_scaled, bufs, 0)
+    top_next = _load_checked_row(xr, mr, scale, scaling, bufs, 0)
     inv = np.float32(0.0)
     fast = True
     for r in range(first, last):
@@ -346,16 +367,16 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
         _prefetch_columns(x, mask, row_after, r + 2 < last, 0, split)
         if _ONE_LOOP_STAGES and r > first and r + 1 < last:
             xr, mr = _logit_rows(x, mask, row_nxt, scratch)
-            total, top_next, tiny = _pipelined_row(xr, mr, scale, round_scaled, bufs, (cur, nxt, prv), top, inv,
+            total, top_next, tiny = _pipelined_row(xr, mr, scale, scaling, bufs, (cur, nxt, prv), top, inv,
                                                    out, y, fast)
-            top_next = _checked_top(top_next, xr, mr, scale, round_scaled, bufs, nxt)
+            top_next = _checked_top(top_next, xr, mr, scale, scaling, bufs, nxt)
             _prefetch_columns(x, mask, row_after, r + 2 < last, split, S2)
         else:  # the three stages one after the other (always the block's first and last rows)
             if r > first:
                 _round_row(bufs, prv, inv, out, y, fast)
             if r + 1 < last:
                 xr, mr = _logit_rows(x, mask, row_nxt, scratch)
-                top_next = _load_checked_row(xr, mr, scale, round_scaled, bufs, nxt)
+                top_next = _load_checked_row(xr, mr, scale, scaling, bufs, nxt)
             _prefetch_columns(x, mask, row_after, r + 2 < last, split, S2)
             total, tiny = _exp_row(bufs, cur, top, y)
         if r > first:
@@ -370,15 +391,15 @@ def _forward_block(x, mask, scale, round_scaled, y, first, last, bufs, out, scra
 
 
 @njit(parallel=True, fastmath=FASTMATH, cache=True)
-def _forward_kernel(worker, x, mask, scale, round_scaled, stream, y, next_block, workers):
+def _forward_kernel(worker, x, mask, scale, scaling, stream, y, next_block, workers):
     """Runs :func:`_forward_worker` (at address ``worker``) with these arguments on ``workers`` threads at once
     (:func:`.layouts.launch_workers`)."""
     for _ in prange(workers):
-        call_native(worker, (x, mask, scale, round_scaled, stream, y, next_block))
+        call_native(worker, (x, mask, scale, scaling, stream, y, next_block))
 
 
 @njit(fastmath=FASTMATH, cache=True)
-def _forward_worker(x, mask, scale, round_scaled, stream, y, next_block):
+def _forward_worker(x, mask, scale, scaling, stream, y, next_block):
     """One thread of the forward: the blocks of ``_ROWS_PER_TASK`` rows it claims from ``next_block``
     (:func:`.threads.claim`), each by :func:`_forward_block` with this thread's row buffers."""
     rows = x.shape[0] * x.shape[1] * x.shape[2]
@@ -387,7 +408,7 @@ def _forward_worker(x, mask, scale, round_scaled, stream, y, next_block):
     scratch = _scratch_rows(2, x)
     first = claim(next_block) * _ROWS_PER_TASK
     while first < rows:
-        _forward_block(x, mask, scale, round_scaled, y, first, min(rows, first + _ROWS_PER_TASK), bufs, out, scratch,
+        _forward_block(x, mask, scale, scaling, y, first, min(rows, first + _ROWS_PER_TASK), bufs, out, scratch,
                        stream)
         first = claim(next_block) * _ROWS_PER_TASK
     if stream:
@@ -395,14 +416,14 @@ def _forward_worker(x, mask, scale, round_scaled, stream, y, next_block):
 
 
 @on_torch_threads
-def scaled_masked_softmax_forward(x, mask, scale, round_scaled, stream, y):
+def scaled_masked_softmax_forward(x, mask, scale, scaling, stream, y):
     """y = softmax(where(mask, -10000, x * scale)) over the last axis, fp32 math.
 
-    ``round_scaled``: the fp16 path of CANN scales in fp16, so ``x * scale`` is rounded to x's dtype
-    (``scale`` is then already the fp16-rounded value). ``stream``: y is written by non-temporal stores
-    (:func:`.numeric.streams`).
+    ``scaling``: ``FLOAT32_SCALING``, or for CANN's fp16 path, which scales in fp16, ``GRID_SCALING`` or
+    ``CONVERTED_SCALING`` (``x * scale`` rounded to float16, the same values by two codes; ``scale`` is then already
+    the fp16-rounded value). ``stream``: y is written by non-temporal stores (:func:`.numeric.streams`).
     """
-    launch_workers(_forward_kernel, _forward_worker, x, mask, scale, round_scaled, stream, y)
+    launch_workers(_forward_kernel, _forward_worker, x, mask, scale, scaling, stream, y)
 
 
 @njit(inline="always")

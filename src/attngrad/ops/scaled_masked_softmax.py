@@ -130,8 +130,8 @@ def forward_kernel(x: torch.Tensor, mask: torch.Tensor, scale: float, y: torch.T
         return y
     half = x.dtype == torch.float16 and check_precision(precision) == NPU
     kscale = np.float32(torch.tensor(scale, dtype=torch.float16 if half else torch.float32).item())
-    kernels.scaled_masked_softmax_forward(kernel_view(x), kernel_view(unit_stride_rows(mask)), kscale, half,
-                                          streams(y.nbytes), kernel_view(y))
+    kernels.scaled_masked_softmax_forward(kernel_view(x), kernel_view(unit_stride_rows(mask)), kscale,
+                                          kernels.scaling_of(half), streams(y.nbytes), kernel_view(y))
     return y
 
 
