@@ -41,8 +41,10 @@ def calibration_in(tmp_path, monkeypatch):
     monkeypatch.setattr(gemm_paths, "measure", lambda d: measured.append(d) or {"native": 10.0, "widened_fp32": 5.0})
     monkeypatch.setattr(gemm_paths, "measure_float16_scaling", lambda: {"grid": 1.0, "conversions": 2.0})
     gemm_paths.calibration.cache_clear()
+    gemm_paths.scaling_calibration.cache_clear()
     yield measured
     gemm_paths.calibration.cache_clear()
+    gemm_paths.scaling_calibration.cache_clear()
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -23,8 +23,10 @@ def _fresh_cache(tmp_path, monkeypatch):
     for name in (gemm_paths.ENV, gemm_paths.SCALING_ENV, *GEMM_ISA_CAPS):
         monkeypatch.delenv(name, raising=False)
     calibration.cache_clear()
+    gemm_paths.scaling_calibration.cache_clear()
     yield
     calibration.cache_clear()
+    gemm_paths.scaling_calibration.cache_clear()
 
 
 @pytest.fixture
@@ -117,10 +119,10 @@ def test_unwritable_cache_warns_and_still_answers(tmp_path, monkeypatch, fake_ti
 
 def test_float16_scaling_takes_the_faster_rounding_or_the_environment(monkeypatch, fake_timings):
     if HAS_AVX512_FP16:  # one float16 multiply: nothing to choose, nothing measured
-        assert float16_scaling() == FLOAT16_MULTIPLY and calibration()["float16_scaling"] == FLOAT16_MULTIPLY
+        assert float16_scaling() == FLOAT16_MULTIPLY
         return
     assert float16_scaling() == CONVERSIONS  # 20 us against 30
-    assert calibration()["float16_scaling_microseconds"] == {GRID: 30.0, CONVERSIONS: 20.0}
+    assert gemm_paths.scaling_calibration()["float16_scaling_microseconds"] == {GRID: 30.0, CONVERSIONS: 20.0}
     monkeypatch.setenv(gemm_paths.SCALING_ENV, " Grid ")
     assert float16_scaling() == GRID
     monkeypatch.setenv(gemm_paths.SCALING_ENV, "fastest")
@@ -128,12 +130,19 @@ def test_float16_scaling_takes_the_faster_rounding_or_the_environment(monkeypatc
         float16_scaling()
 
 
-def test_entry_without_a_float16_scaling_is_measured_again(fake_timings):
-    path = gemm_paths.cache_path()
-    path.parent.mkdir(parents=True)
-    older = {"paths": {"bfloat16": WIDENED, "float16": WIDENED}}  # an entry written before the scaling was timed
-    path.write_text(json.dumps({"format": 1, "entries": {gemm_paths._key_text(gemm_paths.machine_key()): older}}))
-    assert calibration()["float16_scaling"] in (CONVERSIONS, FLOAT16_MULTIPLY) and len(fake_timings) == 2
+def test_float16_scaling_is_measured_on_first_use_into_the_entry(monkeypatch, fake_timings):
+    scalings = []
+    monkeypatch.setattr(gemm_paths, "measure_float16_scaling",
+                        lambda: scalings.append(1) or {GRID: 3.0, CONVERSIONS: 2.0})
+    entry = calibration()
+    assert "float16_scaling" not in entry and scalings == []  # the GEMM paths alone: no float16 softmax compiled
+    expected = FLOAT16_MULTIPLY if HAS_AVX512_FP16 else CONVERSIONS
+    assert float16_scaling() == expected and len(scalings) == (0 if HAS_AVX512_FP16 else 1)
+    calibration.cache_clear()
+    gemm_paths.scaling_calibration.cache_clear()
+    saved = gemm_paths.scaling_calibration()  # read back from the file: measured neither again
+    assert saved["float16_scaling"] == expected and saved["paths"] == entry["paths"]
+    assert len(scalings) == (0 if HAS_AVX512_FP16 else 1) and len(fake_timings) == 2
 
 
 def test_float16_scaling_measurement_times_both_roundings():

@@ -173,7 +173,7 @@ def machine_info(recalibrate: bool = False) -> dict:
     from .kernels.threads import kernel_threads
     from .machine import cpu_model, gemm_isa_caps, isa_flags
 
-    entry = gemm_paths.calibrate() if recalibrate else gemm_paths.calibration()
+    entry = gemm_paths.calibrate() if recalibrate else gemm_paths.scaling_calibration()
     return {"cpu": cpu_model(), "isa": list(isa_flags()), "isa_caps": gemm_isa_caps(),
             "processor": platform.processor(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "kernel_threads": kernel_threads(), "cpus": os.cpu_count(),

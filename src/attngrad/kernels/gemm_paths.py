@@ -18,9 +18,10 @@ under a key of the CPU model, its instruction sets, the caps the environment put
 foreign cache file means a new measurement, never an error. ``ATTNGRAD_GEMM_PATH=native|widened_fp32`` forces a
 path for both dtypes (``auto`` or unset: the calibration); ``attngrad bench --calibrate`` measures again.
 
-The same calibration times how the float16 softmax rounds its scaled logits to float16 (:func:`float16_scaling`):
+The same cache entry holds how the float16 softmax rounds its scaled logits to float16 (:func:`float16_scaling`):
 ``numeric.float16_grid`` (integer operations) or the float16 conversions, which give the same values and whose
-speeds rank differently from one CPU to the next; a CPU with AVX512-FP16 multiplies in float16 and is not timed.
+speeds rank differently from one CPU to the next. It is timed on the forward kernel itself the first time a float16
+softmax asks (:func:`scaling_calibration`); a CPU with AVX512-FP16 multiplies in float16 and is not timed.
 ``ATTNGRAD_FLOAT16_SCALING=grid|conversions`` forces one.
 """
 
@@ -88,7 +89,7 @@ def float16_scaling() -> str:
         return FLOAT16_MULTIPLY
     value = os.environ.get(SCALING_ENV, "auto").strip().lower()
     if value == "auto":
-        return calibration()["float16_scaling"]
+        return scaling_calibration()["float16_scaling"]
     if value not in SCALINGS:
         raise ValueError(f"{SCALING_ENV} must be one of {', '.join(SCALINGS)} or auto, got {os.environ[SCALING_ENV]!r}")
     return value
@@ -125,11 +126,25 @@ def calibration() -> dict:
     return _measure_and_save(key)
 
 
+@functools.cache
+def scaling_calibration() -> dict:
+    """This machine's entry (:func:`calibration`) with ``float16_scaling`` (and its ``float16_scaling_microseconds``):
+    measured and added to the cached entry the first time it is asked for, by a float16 softmax or the bench, so that
+    a process that runs none never compiles the float16 softmax for it."""
+    entry = calibration()
+    if entry.get("float16_scaling") in (*SCALINGS, FLOAT16_MULTIPLY):
+        return entry
+    return _with_scaling(entry)
+
+
 def calibrate() -> dict:
-    """Measure again (whatever the cache holds), save and return the entry."""
+    """Measure again (whatever the cache holds: the GEMM paths and the float16 scaling), save and return the
+    entry."""
     calibration.cache_clear()
-    entry = _measure_and_save(machine_key())
+    scaling_calibration.cache_clear()
+    entry = _with_scaling(_measure_and_save(machine_key()))
     calibration.cache_clear()
+    scaling_calibration.cache_clear()
     return entry
 
 
@@ -140,8 +155,7 @@ def _key_text(key: dict) -> str:
 def _valid(entry) -> bool:
     if not isinstance(entry, dict) or not isinstance(entry.get("paths"), dict):
         return False
-    return (all(entry["paths"].get(str(d).removeprefix("torch.")) in PATHS for d in CALIBRATED_DTYPES)
-            and entry.get("float16_scaling") in (*SCALINGS, FLOAT16_MULTIPLY))
+    return all(entry["paths"].get(str(d).removeprefix("torch.")) in PATHS for d in CALIBRATED_DTYPES)
 
 
 def _load_entries() -> dict:
@@ -157,16 +171,27 @@ def _load_entries() -> dict:
 
 def _measure_and_save(key: dict) -> dict:
     timings = {str(d).removeprefix("torch."): measure(d) for d in CALIBRATED_DTYPES}
-    scaling = {} if HAS_AVX512_FP16 else measure_float16_scaling()
     entry = {"key": key, "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              "paths": {d: WIDENED if t[WIDENED] <= _MARGIN * t[NATIVE] else NATIVE for d, t in timings.items()},
-             "microseconds": timings,
-             "float16_scaling": min(scaling, key=scaling.get) if scaling else FLOAT16_MULTIPLY,
-             "float16_scaling_microseconds": scaling}
-    entries = _load_entries()
-    entries[_key_text(key)] = entry
-    _write_atomically(cache_path(), json.dumps({"format": _FORMAT, "entries": entries}, indent=1))
+             "microseconds": timings}
+    _save(entry)
     return entry
+
+
+def _with_scaling(entry: dict) -> dict:
+    """``entry`` with the float16 scaling measured now (the faster of :data:`SCALINGS`; ``float16_multiply``,
+    untimed, with AVX512-FP16), saved."""
+    timings = {} if HAS_AVX512_FP16 else measure_float16_scaling()
+    entry = {**entry, "float16_scaling": min(timings, key=timings.get) if timings else FLOAT16_MULTIPLY,
+             "float16_scaling_microseconds": timings}
+    _save(entry)
+    return entry
+
+
+def _save(entry: dict) -> None:
+    entries = _load_entries()
+    entries[_key_text(entry["key"])] = entry
+    _write_atomically(cache_path(), json.dumps({"format": _FORMAT, "entries": entries}, indent=1))
 
 
 def _write_atomically(path: Path, text: str) -> None:
