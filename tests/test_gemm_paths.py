@@ -145,6 +145,17 @@ def test_float16_scaling_is_measured_on_first_use_into_the_entry(monkeypatch, fa
     assert len(scalings) == (0 if HAS_AVX512_FP16 else 1) and len(fake_timings) == 2
 
 
+def test_entry_without_its_key_gets_the_scaling_saved_under_this_machine(fake_timings):
+    path = gemm_paths.cache_path()
+    path.parent.mkdir(parents=True)
+    bare = {"paths": {"bfloat16": WIDENED, "float16": NATIVE}}  # hand-edited: no key, no scaling
+    path.write_text(json.dumps({"format": 1, "entries": {gemm_paths._key_text(gemm_paths.machine_key()): bare}}))
+    entry = gemm_paths.scaling_calibration()
+    assert entry["paths"] == bare["paths"] and entry["key"] == gemm_paths.machine_key() and fake_timings == []
+    saved = json.loads(path.read_text())["entries"][gemm_paths._key_text(gemm_paths.machine_key())]
+    assert saved["float16_scaling"] == entry["float16_scaling"]
+
+
 def test_float16_scaling_measurement_times_both_roundings():
     timings = gemm_paths.measure_float16_scaling()
     assert set(timings) == {GRID, CONVERSIONS} and all(t > 0 for t in timings.values())

@@ -10,7 +10,8 @@ from numba import njit
 
 from attngrad import scaled_masked_softmax
 from attngrad.kernels.numeric import FASTMATH, FLOAT16_GRID_LIMIT, HAS_AVX512_FP16
-from attngrad.kernels.scaled_masked_softmax import (CONVERTED_SCALING, GRID_SCALING, _scaled_logit,
+from attngrad.kernels.gemm_paths import SCALING_ENV
+from attngrad.kernels.scaled_masked_softmax import (CONVERTED_SCALING, FLOAT32_SCALING, GRID_SCALING, _scaled_logit,
                                                    scaled_masked_softmax_backward, scaled_masked_softmax_forward,
                                                    scaling_of)
 from attngrad.kernels.tensor_view import kernel_view
@@ -56,6 +57,14 @@ def test_fp16_product_is_the_rounded_fp32_product_for_every_fp16(scale):
     exact_form = _products(x, s, CONVERTED_SCALING)
     assert np.array_equal(np.isnan(exact_form), nan)
     assert np.array_equal((exact_form[~nan] + 0).view(np.int32), (slow[~nan] + 0).view(np.int32))
+
+
+@pytest.mark.parametrize("forced, marker", [("grid", GRID_SCALING), ("conversions", CONVERTED_SCALING)])
+def test_scaling_of_takes_the_chosen_rounding(forced, marker, monkeypatch):
+    monkeypatch.setenv(SCALING_ENV, forced)
+    assert scaling_of(False) is FLOAT32_SCALING  # float32 scaling: every dtype but the npu mode's float16
+    # with AVX512-FP16 either marker runs the one float16 multiply (the conversions' marker)
+    assert scaling_of(True) is (CONVERTED_SCALING if HAS_AVX512_FP16 else marker)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

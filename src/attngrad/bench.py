@@ -168,7 +168,8 @@ def measure_rooflines(quick: bool) -> dict[str, float]:
 
 def machine_info(recalibrate: bool = False) -> dict:
     """The report's machine: CPU model, instruction sets, torch's thread count (the kernels' too), the GEMM path
-    per dtype (``recalibrate``: measured again, else from the calibration cache) with its timings."""
+    per dtype and the float16 softmax's scaling (``recalibrate``: measured again, else from the calibration cache)
+    with their timings."""
     from .kernels import gemm_paths
     from .kernels.threads import kernel_threads
     from .machine import cpu_model, gemm_isa_caps, isa_flags
@@ -186,7 +187,8 @@ def machine_info(recalibrate: bool = False) -> dict:
 
 
 def machine_text(machine: dict) -> str:
-    """One line: CPU, ISA, threads and GEMM paths (the terminal's and the Markdown summary's header)."""
+    """One line: CPU, ISA, threads, GEMM paths and float16 softmax scaling (the terminal's and the Markdown
+    summary's header)."""
     paths = ", ".join(f"{d} {p}" for d, p in machine["gemm_paths"].items())
     source = ("forced by ATTNGRAD_GEMM_PATH" if machine["gemm_path_forced"]
               else f"calibrated {machine['gemm_calibration']['measured']}")

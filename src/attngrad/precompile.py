@@ -3,7 +3,8 @@
 A kernel specialisation compiles on its first call and is then loaded from numba's disk cache by every later
 process; with an empty cache a first call waits for its kernels to compile, flash attention's the longest (timings
 in docs/performance.md, 'First call in a fresh process'), its forward's and backward's one after the other. Each
-operator has one specialisation per dtype and precision mode (golden mode's flash attention kernels are others),
+operator has one specialisation per dtype and precision mode (golden mode's flash attention kernels are others;
+the float16 softmax's first npu call compiles its forward twice to time the two roundings, gemm_paths),
 whatever the shapes, layouts, masks, pse, dropout or varlen lengths (docs/performance.md, 'Test suite time'), so
 one small call fills the cache for all calls of that dtype and mode.
 

@@ -182,8 +182,8 @@ def _with_scaling(entry: dict) -> dict:
     """``entry`` with the float16 scaling measured now (the faster of :data:`SCALINGS`; ``float16_multiply``,
     untimed, with AVX512-FP16), saved."""
     timings = {} if HAS_AVX512_FP16 else measure_float16_scaling()
-    entry = {**entry, "float16_scaling": min(timings, key=timings.get) if timings else FLOAT16_MULTIPLY,
-             "float16_scaling_microseconds": timings}
+    entry = {**entry, "key": machine_key(), "float16_scaling": min(timings, key=timings.get) if timings
+             else FLOAT16_MULTIPLY, "float16_scaling_microseconds": timings}
     _save(entry)
     return entry
 
