@@ -1249,8 +1249,8 @@ def _gradient_gemms(ops, tile, queries, keys, lead, on_brgemm, work, dq_ptr, dq_
     q, dy = ops.q, ops.dy
     b, n, i0, rows, _, cols = tile
     pt, dst = work.pt, _ds_tile(work, like)
-    dkt = (work.dkt.ctypes.data + lead * 4, work.dkt.shape[1])
-    dvt = (work.dvt.ctypes.data + lead * 4, work.dvt.shape[1])
+    dkt = (work.dkt.ctypes.data + lead * work.dkt.itemsize, work.dkt.shape[1])
+    dvt = (work.dvt.ctypes.data + lead * work.dvt.itemsize, work.dvt.shape[1])
     x, qb, qn, qi = queries
     y, kb, kn, kj = keys
     Dv, dqk = dy.shape[3], y.shape[3]

@@ -89,12 +89,18 @@ GRID_SCALING = np.uint8(0)
 CONVERTED_SCALING = np.int8(0)
 
 
+def _rounds_on_grid(dtype, scaling) -> bool:
+    """Whether float16 logits (``dtype`` int16) with the ``scaling`` marker's type are rounded by
+    ``numeric.float16_grid`` (at compile time; with AVX512-FP16 never: one float16 multiply)."""
+    return dtype == types.int16 and scaling == types.uint8 and not HAS_AVX512_FP16
+
+
 def _scaled_logit(x, scale, scaling):  # pragma: no cover - compiled through the overload below
-    """x * scale as float32, for float16 x (int16 bits) with a rounding ``scaling`` rounded to float16 (exact: the
-    product of two float16 values is, so one rounding): one float16 multiply with AVX512-FP16, else
-    ``numeric.float16_grid`` (``GRID_SCALING``: it misses float16 overflow, :func:`_checked_top`) or the float16
-    conversions (``CONVERTED_SCALING``). No function call: it sits in the row loops, which LLVM vectorises only
-    around inlined code."""
+    """x * scale as float32. For float16 x (int16 bits) with a rounding marker, the product rounded to float16 (one
+    rounding: the product of two float16 values is exact in float32): one float16 multiply with AVX512-FP16, else
+    ``numeric.float16_grid`` for ``GRID_SCALING`` (an overflow stays finite: :func:`_checked_top`) or the float16
+    conversions for ``CONVERTED_SCALING``. ``FLOAT32_SCALING`` and the other dtypes: the plain float32 product. No
+    function call: it sits in the row loops, which LLVM vectorises only around inlined code."""
     raise NotImplementedError
 
 
@@ -102,10 +108,10 @@ def _scaled_logit(x, scale, scaling):  # pragma: no cover - compiled through the
 def _scaled_logit_impl(x, scale, scaling):
     if x != types.int16 or scaling == types.boolean:
         return lambda x, scale, scaling: widen(x) * scale
+    if _rounds_on_grid(x, scaling):
+        return lambda x, scale, scaling: float16_grid(widen(x) * scale)
     if HAS_AVX512_FP16:
         return lambda x, scale, scaling: _f16_mul(x, scale)
-    if scaling == types.uint8:
-        return lambda x, scale, scaling: float16_grid(widen(x) * scale)
     return lambda x, scale, scaling: float16_rounded(widen(x) * scale)
 
 
@@ -118,13 +124,14 @@ def scaling_of(rounded: bool):
 
 
 def _on_grid(x, scaling):  # pragma: no cover - compiled through the overload below
-    """Whether :func:`_scaled_logit` rounds x's dtype by ``numeric.float16_grid``, as a compile-time constant."""
+    """Whether :func:`_scaled_logit` rounds the elements of array x by ``numeric.float16_grid``, as a compile-time
+    constant."""
     raise NotImplementedError
 
 
 @overload(_on_grid, inline="always")
 def _on_grid_impl(x, scaling):
-    grid = x.dtype == types.int16 and scaling == types.uint8 and not HAS_AVX512_FP16
+    grid = _rounds_on_grid(x.dtype, scaling)
     return lambda x, scaling: grid
 
 
